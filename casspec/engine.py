@@ -1,0 +1,280 @@
+"""The engine: prompt in, tokens out. The decode loop is draft -> verify -> accept -> update.
+
+Invariant: the KV cache holds every committed token except the last one (the tree root); each step runs ONE
+target forward over [root, draft nodes...], accepts a path, commits the path's KV and emits the accepted
+draft tokens plus the target's own next token (the bonus token), which becomes the next root.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from dsia.errors import CasspecError
+from dsia.kvcache import KVCache
+from dsia.model import Transformer
+from dytc.sampling import SamplingParams, sample, warp
+from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
+from dytc.verify import verify_greedy, verify_sampling
+
+from .loading import Loaded, load
+
+METHODS = ("ar",)  # decoding methods of this engine; speculative ones join as they land
+
+Prompt = str | Sequence[dict]  # raw text or chat messages [{"role": ..., "content": ...}]
+
+
+@dataclass(frozen=True)
+class Request:
+    max_new_tokens: int = 256  # hard cap on emitted tokens
+    sampling: SamplingParams = SamplingParams()  # greedy by default
+    stop: tuple[str, ...] = ()  # stop strings: generation ends once the text contains one (excluded from text)
+    seed: int | None = None  # seed of the sampling generator; None = fresh randomness
+    method: str = "ar"  # decoding method, one of METHODS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise CasspecError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
+        if self.method not in METHODS:
+            raise CasspecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
+        if any(not s for s in self.stop):
+            raise CasspecError("stop strings must not be empty: drop the empty --stop")
+
+
+@dataclass
+class Stats:
+    method: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0  # wall time of the whole generation, prefill included
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    target_forwards: int = 0  # target forwards that emitted tokens (the prefill emits the first token)
+    finish_reason: str = ""  # eos | stop | length | context
+    accepted_by_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d+1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per target forward, counting the bonus token (AR = 1.0)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d.update(tokens_per_s=self.tokens_per_s, mean_accepted_tokens=self.mean_accepted_tokens)
+        return d
+
+    def summary(self) -> str:
+        return (f"[{self.method}] {self.new_tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_s:.1f} tok/s); "
+                f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f}s; "
+                f"{self.target_forwards} target forwards, mean accepted {self.mean_accepted_tokens:.2f}; "
+                f"draft {self.draft_seconds:.2f}s, verify {self.verify_seconds:.2f}s; finish: {self.finish_reason}")
+
+
+@dataclass
+class Result:
+    text: str  # the generated text (special tokens and the stop string excluded)
+    token_ids: list[int]  # the generated token ids (an EOS that ended generation included)
+    stats: Stats
+
+
+class Engine:
+    def __init__(self, loaded: Loaded, max_context: int | None = None) -> None:
+        self.hf_model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.name = loaded.name
+        self.model = Transformer.from_hf(loaded.model)
+        if max_context is not None and max_context < 2:
+            raise CasspecError(f"max_context must be >= 2 (got {max_context})")
+        self.cache: KVCache = self.model.new_cache(max_context)
+        self.eos_ids = self._eos_ids()
+        self.last_result: Result | None = None  # the Result of the latest generation (also when streamed)
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
+                        device: str | torch.device = "cpu", max_context: int | None = None) -> "Engine":
+        """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file."""
+        return cls(load(model, dtype, device), max_context)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen_eos = getattr(getattr(self.hf_model, "generation_config", None), "eos_token_id", None)
+        for e in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]):
+            if e is not None:
+                ids.add(int(e))
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt. Chat messages, or text when chat is True (default: when the tokenizer has a
+        chat template), go through the tokenizer's chat template with the generation prompt added."""
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise CasspecError("the prompt is empty: pass some text")
+            if chat is None:
+                chat = has_template
+            if not chat:
+                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)
+            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise CasspecError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        if not has_template:
+            raise CasspecError("this tokenizer has no chat template: pass raw text with chat=False (--no-chat)")
+        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, stop: Sequence[str] | None = None, seed: int | None = None, method: str = "ar",
+                 stream: bool = False, chat: bool | None = None) -> Result | Iterator[str]:
+        """Generate from a prompt. Returns a Result, or with stream=True an iterator of text pieces (the pieces
+        concatenate to the final text; the Result is then available as `engine.last_result`)."""
+        req = Request(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
+                      stop=tuple(stop or ()), seed=seed, method=method)
+        ids = self.encode(prompt, chat)
+        if len(ids) >= self.cache.capacity:
+            raise CasspecError(f"the prompt has {len(ids)} tokens but the context window holds {self.cache.capacity}:"
+                               " shorten the prompt")
+        if stream:
+            return self._stream(ids, req)
+        return self.generate_ids(ids, req)
+
+    def generate_ids(self, prompt_ids: Sequence[int], req: Request) -> Result:
+        """Generate from token ids (the bench and tests use this to skip templating)."""
+        for _ in self._stream(list(prompt_ids), req):
+            pass
+        return self.last_result
+
+    # ------------------------------------------------------------------ text and stops
+    def _stream(self, prompt_ids: list[int], req: Request) -> Iterator[str]:
+        stats = Stats(method=req.method, prompt_tokens=len(prompt_ids))
+        out: list[int] = []
+        hold = max((len(s) for s in req.stop), default=1) - 1  # chars a stop string could still claim
+        sent = 0
+        text = ""
+        t0 = time.perf_counter()
+        for block in self._decode(prompt_ids, req, stats):
+            for tok in block:
+                out.append(tok)
+                if tok in self.eos_ids:
+                    stats.finish_reason = "eos"
+                    break
+                if req.stop:
+                    text = self.decode(out)
+                    cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
+                    if cut >= 0:
+                        text = text[:cut]
+                        stats.finish_reason = "stop"
+                        break
+                if len(out) >= req.max_new_tokens:
+                    stats.finish_reason = "length"
+                    break
+            if stats.finish_reason:
+                break
+            text = self.decode(out)
+            safe = len(text) - hold
+            while safe > sent and text[safe - 1] == "\ufffd":  # an unfinished UTF-8 sequence: wait for more
+                safe -= 1
+            if safe > sent:
+                yield text[sent:safe]
+                sent = safe
+        if stats.finish_reason != "stop":
+            text = self.decode(out)
+        stats.new_tokens = len(out)
+        stats.seconds = time.perf_counter() - t0
+        if not stats.finish_reason:
+            stats.finish_reason = "context"
+        self.last_result = Result(text=text, token_ids=out, stats=stats)
+        if len(text) > sent:
+            yield text[sent:]
+
+    # ------------------------------------------------------------------ the decode loop
+    @torch.inference_mode()
+    def _decode(self, prompt_ids: list[int], req: Request, stats: Stats) -> Iterator[list[int]]:
+        """Yield blocks of committed tokens until the caller stops or the context window is full."""
+        model, cache = self.model, self.cache
+        generator = None
+        if not req.sampling.greedy:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        dev = self.device
+        cache.rollback(0)
+
+        # prefill: the whole prompt in one forward; its last row gives the first token
+        t = time.perf_counter()
+        n = len(prompt_ids)
+        logits = model.forward(cache, torch.tensor(prompt_ids, device=dev), torch.arange(n, device=dev), 0,
+                               logits_rows=slice(n - 1, n))
+        cache.commit(list(range(n)))
+        root = self._pick(logits, req.sampling, generator)
+        stats.prefill_seconds = time.perf_counter() - t
+        stats.target_forwards = 1
+        yield [root]
+
+        while cache.length + 1 < cache.capacity:
+            t = time.perf_counter()
+            tree = self._draft(root, req)  # draft
+            stats.draft_seconds += time.perf_counter() - t
+            t = time.perf_counter()
+            logits = self._verify_forward(tree)  # verify: one target forward over the whole tree
+            path, bonus = self._accept(tree, logits, req.sampling, generator)  # accept
+            cache.commit(path)  # update: the accepted path's KV joins the committed prefix
+            stats.verify_seconds += time.perf_counter() - t
+            stats.target_forwards += 1
+            depth = len(path) - 1
+            while len(stats.accepted_by_depth) < depth:
+                stats.accepted_by_depth.append(0)
+            for d in range(depth):
+                stats.accepted_by_depth[d] += 1
+            root = bonus
+            yield [tree.tokens[i] for i in path[1:]] + [bonus]
+
+    def _draft(self, root: int, req: Request) -> DraftTree:
+        """The draft tree for this step. `ar` drafts nothing: the tree is the root alone."""
+        room = self.cache.capacity - self.cache.length
+        tree = DraftTree.root(root)
+        assert len(tree) <= room
+        return tree
+
+    def _verify_forward(self, tree: DraftTree) -> torch.Tensor:
+        """One target forward over the flattened tree, written to scratch. Returns logits [N, V]."""
+        cache, dev = self.cache, self.device
+        tokens = torch.tensor(tree.tokens, device=dev)
+        pos = position_ids(tree.parents, cache.length, dev)
+        mask = None if is_chain(tree.parents) else ancestor_mask(tree.parents, dev)
+        return self.model.forward(cache, tokens, pos, cache.length, mask)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+        if sampling.greedy:
+            return int(logits[-1].argmax())
+        return int(sample(warp(logits[-1:], sampling), generator)[0])
+
+    @staticmethod
+    def _accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], int]:
+        if sampling.greedy:
+            return verify_greedy(tree, logits)
+        return verify_sampling(tree, warp(logits, sampling), generator)

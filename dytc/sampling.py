@@ -1,0 +1,57 @@
+"""The one sampling warp (temperature, top-k, top-p), shared by drafting and verification.
+
+Drafts and the target must warp their logits with exactly the same function, or lossless speculative
+sampling silently stops being lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsia.errors import CasspecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p; 1 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise CasspecError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
+        if not 0 < self.top_p <= 1:
+            raise CasspecError(f"top_p must be in (0, 1] (got {self.top_p}); use 1 to turn it off")
+        if self.top_k < 0:
+            raise CasspecError(f"top_k must be >= 0 (got {self.top_k}); use 0 to turn it off")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: Tensor, params: SamplingParams) -> Tensor:
+    """logits [N, V] -> probabilities [N, V] (float32). Greedy gives the one-hot of the argmax."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p (the first token is always kept)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """probs [N, V] -> tokens [N] drawn with the given generator."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,80 @@
+"""Draft token trees: nodes with a parent, a token and the distribution q it was drawn from.
+
+Node 0 is the root: the last committed token, whose KV is not yet in the cache. A tree is flattened in node
+order (parents before children); node i attends to the committed prefix, its ancestors and itself, at
+position prefix_length + depth(i).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # token of each node; tokens[0] is the root
+    parents: list[int]  # parent node of each node; parents[0] == -1
+    q: list[Tensor | None] = field(default_factory=list)  # per node: the draft distribution [V] it was drawn
+    # from (None = deterministic draft: q is one-hot on the token); empty list = all deterministic
+
+    @staticmethod
+    def root(token: int) -> "DraftTree":
+        return DraftTree([token], [-1])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, q: Tensor | None = None) -> int:
+        assert 0 <= parent < len(self.tokens)
+        if q is not None and not self.q:
+            self.q = [None] * len(self.tokens)
+        if self.q:
+            self.q.append(q)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        return len(self.tokens) - 1
+
+    def depths(self) -> list[int]:
+        d = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def children(self) -> list[list[int]]:
+        ch: list[list[int]] = [[] for _ in self.parents]
+        for i in range(1, len(self.parents)):
+            ch[self.parents[i]].append(i)
+        return ch
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root down to `node`, inclusive."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> Tensor:
+    """[N, N] bool: mask[i, j] = j is i or an ancestor of i. Parents must precede children."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        p = parents[i]
+        assert 0 <= p < i, "parents must precede children"
+        mask[i] |= mask[p]
+    return mask.to(device)
+
+
+def position_ids(parents: list[int], prefix_length: int, device: torch.device | str = "cpu") -> Tensor:
+    """[N] absolute positions: prefix_length + depth."""
+    d = [0] * len(parents)
+    for i in range(1, len(parents)):
+        d[i] = d[parents[i]] + 1
+    return torch.tensor(d, dtype=torch.long, device=device) + prefix_length
+
+
+def is_chain(parents: list[int]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))

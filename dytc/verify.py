@@ -1,0 +1,60 @@
+"""Verification of a draft tree against one target forward over the whole tree.
+
+Greedy: the longest root-to-leaf path whose tokens equal the target's argmax at each step, plus the target's
+next token after it (the bonus token). Sampling: lossless multi-draft speculative sampling (SpecInfer /
+Sequoia-style recursive rejection): at a node with target distribution p and children x_1..x_m drawn from
+q_1..q_m, accept x_i with probability min(1, p(x_i) / q_i(x_i)); on rejection p <- normalize(max(p - q_i, 0))
+and try the next child; if every child is rejected, sample from what is left of p. The emitted tokens are then
+distributed exactly as if the target had sampled them one by one, provided each q_i is exactly the
+distribution x_i was drawn from given the earlier siblings (for siblings drawn without replacement the drafter
+passes q with the earlier siblings removed and renormalized) and p and q are warped by the same function.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .tree import DraftTree
+
+
+def verify_greedy(tree: DraftTree, logits: Tensor) -> tuple[list[int], int]:
+    """logits [N, V] of the target at every node -> (accepted path of nodes from the root, bonus token)."""
+    best = logits.argmax(-1).tolist()  # [N]
+    children = tree.children()
+    node, path = 0, [0]
+    while True:
+        nxt = next((c for c in children[node] if tree.tokens[c] == best[node]), None)
+        if nxt is None:
+            return path, best[node]
+        path.append(nxt)
+        node = nxt
+
+
+def verify_sampling(tree: DraftTree, probs: Tensor, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """probs [N, V]: the target's warped distribution at every node -> (accepted path, token sampled after it)."""
+    children = tree.children()
+    node, path = 0, [0]
+    while True:
+        p = probs[node]
+        accepted = None
+        for c in children[node]:
+            x = tree.tokens[c]
+            q = tree.q[c] if tree.q and tree.q[c] is not None else None
+            q_x = 1.0 if q is None else float(q[x])
+            u = float(torch.rand((), generator=generator))
+            if q_x > 0 and u * q_x < float(p[x]):  # u < p(x) / q(x), without dividing
+                accepted = c
+                break
+            if q is None:
+                residual = p.clone()
+                residual[x] = 0.0
+            else:
+                residual = torch.clamp(p - q, min=0.0)
+            total = float(residual.sum())
+            if total <= 0.0:  # p == q on the support: rejection had probability 0; keep p as it was
+                continue
+            p = residual / total
+        if accepted is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(accepted)
+        node = accepted

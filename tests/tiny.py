@@ -1,0 +1,38 @@
+"""Tiny random Llama-family checkpoints built in-process (no files, no network) for unit tests."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_config(arch: str = "llama", vocab: int = 97, layers: int = 3, dim: int = 64, heads: int = 4,
+                kv_heads: int = 2, tie: bool = False, max_pos: int = 256):
+    common = dict(vocab_size=vocab, hidden_size=dim, intermediate_size=dim * 2, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=dim // heads)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kw), dtype=dtype, attn_implementation="sdpa")
+    # random init is tiny; spread the weights so logits are not all near-ties
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif "norm" in name:
+                p.uniform_(0.7, 1.3)
+            else:
+                p.normal_(0, 0.1)
+    return model.eval()

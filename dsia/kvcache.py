@@ -14,11 +14,21 @@ class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         shape = (n_layers, n_kv_heads, capacity, head_dim)
-        # zeros, not empty: masked-out slots must hold finite values (0 * NaN would poison attention)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
+        # allocated once, zeroed lazily: slots up to `zeroed` hold finite values (a masked-out slot still enters
+        # the attention matmul, and 0 * NaN would poison it); untouched pages cost no memory
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
+        self.v = torch.empty(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
         self.capacity = capacity
         self.length = 0  # committed tokens
+        self.zeroed = 0  # slots [0, zeroed) have been initialised
+
+    def reserve(self, end: int) -> None:
+        """Make slots [0, end) safe to read (called before a forward that touches them)."""
+        if end > self.zeroed:
+            end = min(self.capacity, max(end, self.zeroed + 256))  # grow in chunks, not per token
+            self.k[:, :, self.zeroed:end].zero_()
+            self.v[:, :, self.zeroed:end].zero_()
+            self.zeroed = end
 
     @property
     def nbytes(self) -> int:

@@ -162,6 +162,7 @@ class Transformer:
         end = start + T
         if end > cache.capacity:
             raise CasspecError(f"context window full ({cache.capacity} tokens); shorten the prompt or the output")
+        cache.reserve(end)
         mask = self._attn_mask(cache.length, start, T, scratch_mask)
         is_causal = mask is None and T > 1  # only when start == 0: plain causal prefill
         cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]

@@ -1,0 +1,236 @@
+"""Spec-Bench runner: every method over every question (all turns), greedy, batch 1, in one process.
+
+Spec-Bench's metrics: speed of a question = new tokens / wall time (all turns summed); tokens_per_s of a
+method = mean of its per-question speeds; speedup = tokens_per_s / the baseline's; mean accepted tokens =
+tokens emitted / target forwards (AR = 1.0). The baseline `hf-ar` is HF transformers `generate` on the same
+loaded weights and always runs, so every ratio comes from one run on one machine state.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from dsia.errors import CasspecError
+
+from .engine import METHODS, Engine, Request
+
+BASELINE = "hf-ar"
+HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}  # HF generate kwargs per method
+BENCH_METHODS = tuple(HF_METHODS) + METHODS
+
+
+@dataclass
+class Question:
+    question_id: int | str
+    category: str
+    turns: list[str]
+
+
+@dataclass
+class Answer:
+    question_id: int | str
+    category: str
+    turns: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    wall_time: list[list[float]] = field(default_factory=list)  # per turn: one wall time per repeat
+    forwards: list[int] = field(default_factory=list)  # target forwards per turn
+
+    def speed(self) -> float:
+        """New tokens / wall time over all turns, with each turn's median wall time over repeats."""
+        seconds = sum(statistics.median(w) for w in self.wall_time)
+        return sum(self.new_tokens) / seconds if seconds > 0 else 0.0
+
+
+def read_questions(path: str | Path, limit: int | None = None) -> list[Question]:
+    """Read a Spec-Bench-format JSONL file: {"question_id", "category", "turns": [str, ...]} per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise CasspecError(f"questions file {str(p)!r} does not exist: pass a Spec-Bench JSONL file")
+    if limit is not None and limit < 1:
+        raise CasspecError(f"--limit must be >= 1 (got {limit})")
+    questions = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            turns = obj["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+                raise ValueError("turns must be a non-empty list of non-empty strings")
+            questions.append(Question(obj["question_id"], str(obj.get("category", "all")), turns))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CasspecError(f"{p}:{n} is not a Spec-Bench question ({type(e).__name__}: {e}); each line needs "
+                               "question_id, category and turns") from None
+        if limit is not None and len(questions) >= limit:
+            break
+    if not questions:
+        raise CasspecError(f"{p} holds no questions")
+    return questions
+
+
+def parse_methods(spec: str | Sequence[str]) -> list[str]:
+    names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
+    unknown = [m for m in names if m not in BENCH_METHODS]
+    if unknown or not names:
+        raise CasspecError(f"unknown method(s) {', '.join(unknown) or '(none given)'}: "
+                           f"use any of {', '.join(BENCH_METHODS)}")
+    if BASELINE in names:
+        names.remove(BASELINE)
+    return [BASELINE] + list(dict.fromkeys(names))  # the baseline always runs, first
+
+
+# one turn: prompt ids -> (new token ids, target forwards)
+TurnFn = Callable[[list[int], int], tuple[list[int], int]]
+
+
+def _hf_runner(engine: Engine, kwargs: dict) -> TurnFn:
+    model = engine.hf_model
+    calls = [0]
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    eos = sorted(engine.eos_ids)
+
+    @torch.inference_mode()
+    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
+        x = torch.tensor([ids], device=engine.device)
+        calls[0] = 0
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                             do_sample=False, temperature=None, top_p=None, top_k=None,
+                             eos_token_id=eos, pad_token_id=eos[0], **kwargs)
+        return out[0, len(ids):].tolist(), calls[0]
+
+    return run
+
+
+def _engine_runner(engine: Engine, method: str) -> TurnFn:
+    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
+        res = engine.generate_ids(ids, Request(max_new_tokens=max_new_tokens, method=method))
+        return res.token_ids, res.stats.target_forwards
+
+    return run
+
+
+def make_runner(engine: Engine, method: str) -> TurnFn:
+    return _hf_runner(engine, HF_METHODS[method]) if method in HF_METHODS else _engine_runner(engine, method)
+
+
+def run_question(engine: Engine, run: TurnFn, q: Question, max_new_tokens: int, answer: Answer | None) -> Answer:
+    """All turns of one question; the method's own earlier answers go back in as chat history."""
+    first = answer is None
+    if first:
+        answer = Answer(q.question_id, q.category)
+    messages: list[dict] = []
+    for i, turn in enumerate(q.turns):
+        messages.append({"role": "user", "content": turn})
+        ids = engine.encode(messages)
+        t0 = time.perf_counter()
+        new, forwards = run(ids, max_new_tokens)
+        dt = time.perf_counter() - t0
+        text = engine.decode(new)
+        messages.append({"role": "assistant", "content": text})
+        if first:
+            answer.turns.append(text)
+            answer.token_ids.append(new)
+            answer.new_tokens.append(len(new))
+            answer.forwards.append(forwards)
+            answer.wall_time.append([dt])
+        else:
+            if new != answer.token_ids[i]:
+                raise RuntimeError(f"question {q.question_id}: a repeat produced different tokens (nondeterminism)")
+            answer.wall_time[i].append(dt)
+    return answer
+
+
+def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: int, dtype: str) -> dict:
+    def speeds(ans: list[Answer]) -> dict[str, list[float]]:
+        by: dict[str, list[float]] = {}
+        for a in ans:
+            by.setdefault(a.category, []).append(a.speed())
+        return by
+
+    base = answers[BASELINE]
+    base_tps = statistics.fmean(a.speed() for a in base)
+    base_cat = {c: statistics.fmean(v) for c, v in speeds(base).items()}
+    methods = {}
+    for name, ans in answers.items():
+        tps = statistics.fmean(a.speed() for a in ans)
+        tokens = sum(sum(a.new_tokens) for a in ans)
+        forwards = sum(sum(a.forwards) for a in ans)
+        identical = None if name == BASELINE else all(
+            a.token_ids == b.token_ids for a, b in zip(ans, base, strict=True))
+        methods[name] = {
+            "tokens_per_s": tps,
+            "speedup": tps / base_tps if base_tps else 0.0,
+            "mean_accepted_tokens": tokens / forwards if forwards else 0.0,
+            "identical_to_baseline": identical,
+            "questions": len(ans),
+            "by_category": {c: {"tokens_per_s": statistics.fmean(v), "speedup": statistics.fmean(v) / base_cat[c]}
+                            for c, v in speeds(ans).items()},
+            "new_tokens": tokens,
+            "target_forwards": forwards,
+        }
+    return {"model": engine.name, "device": str(engine.device), "dtype": dtype, "max_new_tokens": max_new_tokens,
+            "baseline": BASELINE, "methods": methods}
+
+
+def format_table(summary: dict) -> str:
+    rows = [("method", "tokens/s", "speedup", "MAT", "identical", "questions")]
+    for name, m in summary["methods"].items():
+        ident = "-" if m["identical_to_baseline"] is None else str(m["identical_to_baseline"]).lower()
+        rows.append((name, f"{m['tokens_per_s']:.2f}", f"{m['speedup']:.3f}", f"{m['mean_accepted_tokens']:.2f}",
+                     ident, str(m["questions"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    head = (f"model {summary['model']}, {summary['device']}, {summary['dtype']}, "
+            f"max_new_tokens {summary['max_new_tokens']}, baseline {summary['baseline']}")
+    return head + "\n" + "\n".join(lines)
+
+
+def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str], max_new_tokens: int,
+              out_dir: str | Path, dtype: str, repeats: int = 1, progress: bool = True) -> dict:
+    """Run every method over every question `repeats` times (median wall time per turn); write the answers,
+    summary.json and return the summary."""
+    if max_new_tokens < 1:
+        raise CasspecError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
+    if repeats < 1:
+        raise CasspecError(f"--repeats must be >= 1 (got {repeats})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runners = {m: make_runner(engine, m) for m in methods}
+    for m, run in runners.items():  # warm-up: one short untimed generation per method
+        run(engine.encode([{"role": "user", "content": questions[0].turns[0]}]), min(16, max_new_tokens))
+    answers: dict[str, list[Answer]] = {m: [] for m in methods}
+    # one bar per method; methods interleave per question so that machine drift hits them all alike
+    bars = {m: tqdm(total=len(questions) * repeats, desc=m, unit="q", position=i, leave=True,
+                    disable=not progress, file=sys.stderr) for i, m in enumerate(methods)}
+    for rep in range(repeats):
+        for qi, q in enumerate(questions):
+            for m, run in runners.items():
+                a = run_question(engine, run, q, max_new_tokens, answers[m][qi] if rep else None)
+                if not rep:
+                    answers[m].append(a)
+                bars[m].update(1)
+    for bar in bars.values():
+        bar.close()
+    for m, ans in answers.items():
+        with open(out / f"answers-{m}.jsonl", "w", encoding="utf-8") as f:
+            for a in ans:
+                f.write(json.dumps({"question_id": a.question_id, "category": a.category, "method": m,
+                                    "model_id": engine.name,
+                                    "choices": [{"index": 0, "turns": a.turns, "new_tokens": a.new_tokens,
+                                                 "wall_time": [statistics.median(w) for w in a.wall_time],
+                                                 "wall_time_repeats": a.wall_time, "forwards": a.forwards,
+                                                 "token_ids": a.token_ids}]}) + "\n")
+    summary = summarize(engine, answers, max_new_tokens, dtype)
+    summary["repeats"] = repeats
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -1,0 +1,112 @@
+"""`casspec` command line: generate | bench. Bad input: one error line on stderr, exit status 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from dsia.errors import CasspecError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (cuda)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--max-context", type=int, default=None, help="cap the context window (tokens)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .engine import METHODS
+
+    parser = _Parser(prog="casspec", description="Lossless self-speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    g.add_argument("prompt")
+    _common(g)
+    g.add_argument("--method", default="ar", help=f"decoding method: {', '.join(METHODS)}")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--no-chat", action="store_true", help="raw continuation, no chat template")
+    g.add_argument("--stats", action="store_true", help="print generation stats to stderr")
+
+    b = sub.add_parser("bench", help="Spec-Bench run: methods vs the HF transformers baseline")
+    b.add_argument("--questions", required=True, help="Spec-Bench-format JSONL file")
+    b.add_argument("--methods", default="hf-ar,hf-pld,ar", help="comma-separated methods")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--limit", type=int, default=None, help="first N questions only")
+    b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")
+    b.add_argument("--out", default="bench-out", help="output folder")
+    b.add_argument("--no-progress", action="store_true")
+    _common(b)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dytc.sampling import SamplingParams
+
+    from .engine import Engine, Request
+
+    if not args.prompt.strip():
+        raise CasspecError("the prompt is empty: pass some text")
+    # validate everything before the (slow) load
+    Request(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+            stop=tuple(args.stop), seed=args.seed, method=args.method)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    pieces = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k, stop=args.stop, seed=args.seed,
+                             method=args.method, stream=True, chat=False if args.no_chat else None)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.stats:
+        print(engine.last_result.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import format_table, parse_methods, read_questions, run_bench
+    from .engine import Engine
+
+    methods = parse_methods(args.methods)
+    questions = read_questions(args.questions, args.limit)
+    if args.max_new_tokens < 1:
+        raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    summary = run_bench(engine, questions, methods, args.max_new_tokens, args.out, args.dtype,
+                        repeats=args.repeats, progress=not args.no_progress)
+    print(format_table(summary))
+    print(f"answers and summary.json in {args.out}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except CasspecError as e:
+        print(f"casspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("casspec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

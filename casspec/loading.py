@@ -147,6 +147,13 @@ def _build_gguf_cache(gguf: Path, sha: str, entry: Path) -> None:
 
     from transformers.utils import logging as hf_logging
 
+    try:  # validate the whole file (header, tensor table, data extents) before the long dequantization
+        from gguf import GGUFReader
+
+        GGUFReader(gguf)
+    except Exception as e:  # noqa: BLE001 - the GGUF reader raises many kinds of errors on bad files
+        raise CasspecError(f"cannot read GGUF file {gguf} ({_one_line(e)}): it may be truncated or corrupt; "
+                           "re-download it") from None
     print(f"casspec: dequantizing {gguf.name} once (cached in {entry})", file=sys.stderr)
     hf_logging.enable_progress_bar()
     try:

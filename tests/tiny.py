@@ -36,3 +36,28 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.fl
             else:
                 p.normal_(0, 0.1)
     return model.eval()
+
+
+def tiny_tokenizer(vocab: int = 97):
+    """A word-level tokenizer over the words w0 .. w{vocab-1} (w1 = BOS, w2 = EOS, w0 = pad/unk)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w0", bos_token="w1",
+                                   eos_token="w2")
+    # a minimal chat template: the turns' words, space-joined
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return fast
+
+
+def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = None, **kw):
+    """An Engine over a tiny random model (no files). Prompts are strings of words 'w5 w17 ...'."""
+    from casspec.engine import Engine
+    from casspec.loading import Loaded
+
+    model = tiny_model(arch, seed, **kw)
+    return Engine(Loaded(model, tiny_tokenizer(model.config.vocab_size), f"tiny-{arch}"), max_context=max_context)

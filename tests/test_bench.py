@@ -1,0 +1,38 @@
+"""The Spec-Bench runner: schema of summary.json, answers files, identity with the baseline, multi-turn."""
+import json
+
+from casspec.bench import BASELINE, format_table, parse_methods, read_questions, run_bench
+from tiny import tiny_engine
+
+
+def test_bench_on_tiny_model(tmp_path):
+    qfile = tmp_path / "q.jsonl"
+    qs = [{"question_id": 1, "category": "writing", "turns": ["w5 w6 w7", "w8 w9"]},
+          {"question_id": 2, "category": "qa", "turns": ["w10 w11 w12 w10 w11"]},
+          {"question_id": 3, "category": "qa", "turns": ["w13"]}]
+    qfile.write_text("\n".join(json.dumps(q) for q in qs) + "\n")
+    questions = read_questions(qfile, limit=3)
+    assert [q.question_id for q in questions] == [1, 2, 3]
+    assert len(read_questions(qfile, limit=1)) == 1
+    methods = parse_methods("ar,hf-pld")
+    assert methods == [BASELINE, "ar", "hf-pld"]
+    engine = tiny_engine("llama", 0)
+    summary = run_bench(engine, questions, methods, 12, tmp_path / "out", "float32", repeats=2, progress=False)
+    assert set(summary) >= {"model", "device", "dtype", "max_new_tokens", "baseline", "methods"}
+    assert summary["baseline"] == BASELINE and summary["max_new_tokens"] == 12
+    for name, m in summary["methods"].items():
+        assert set(m) >= {"tokens_per_s", "speedup", "mean_accepted_tokens", "identical_to_baseline",
+                          "questions", "by_category"}
+        assert m["questions"] == 3 and m["tokens_per_s"] > 0
+        assert set(m["by_category"]) == {"writing", "qa"}
+        assert m["identical_to_baseline"] is (None if name == BASELINE else True)
+    assert summary["methods"][BASELINE]["speedup"] == 1.0
+    assert summary["methods"]["ar"]["mean_accepted_tokens"] == 1.0
+    assert summary["methods"][BASELINE]["mean_accepted_tokens"] == 1.0
+    on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert on_disk["methods"].keys() == summary["methods"].keys()
+    lines = (tmp_path / "out" / "answers-ar.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    assert first["question_id"] == 1 and len(first["choices"][0]["turns"]) == 2  # both turns answered
+    assert len(first["choices"][0]["wall_time_repeats"][0]) == 2
+    assert "| ar " in format_table(summary)

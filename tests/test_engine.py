@@ -1,0 +1,123 @@
+"""The engine's AR decoding equals HF generate; sampling, stops, EOS, streaming and limits behave."""
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from casspec.engine import Request
+from dytc.sampling import SamplingParams
+from tiny import ARCHS, tiny_engine
+
+
+@functools.lru_cache(maxsize=None)
+def engine(arch: str = "llama", seed: int = 0, max_context: int | None = None):
+    return tiny_engine(arch, seed, max_context=max_context)
+
+
+def hf_greedy(e, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = e.hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                              eos_token_id=sorted(e.eos_ids), pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@settings(max_examples=20, deadline=None)
+@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 3), prompt=st.lists(st.integers(3, 96), min_size=1,
+                                                                             max_size=30))
+def test_ar_greedy_equals_hf_generate(arch, seed, prompt):
+    e = engine(arch, seed)
+    res = e.generate_ids(prompt, Request(max_new_tokens=24))
+    assert res.token_ids == hf_greedy(e, prompt, 24)
+    assert res.stats.mean_accepted_tokens == 1.0
+    assert res.stats.new_tokens == len(res.token_ids) <= 24
+
+
+def test_sampling_reproducible_with_seed():
+    e = engine()
+    kw = dict(max_new_tokens=30, temperature=0.9, top_p=0.9, top_k=40)
+    a = e.generate("w5 w6 w7", seed=123, **kw)
+    b = e.generate("w5 w6 w7", seed=123, **kw)
+    c = e.generate("w5 w6 w7", seed=124, **kw)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_max_new_tokens_is_never_exceeded():
+    e = engine()
+    for n in (1, 2, 7):
+        res = e.generate("w5 w6 w7", max_new_tokens=n)
+        assert len(res.token_ids) <= n
+
+
+def test_eos_ends_generation_and_is_not_in_text():
+    e = engine()
+    greedy = e.generate("w9 w10", max_new_tokens=40).token_ids
+    # make the 5th generated token an EOS: the run must stop right there
+    eos_e = tiny_engine("llama", 0)
+    eos_e.eos_ids = frozenset({greedy[4]})
+    res = eos_e.generate("w9 w10", max_new_tokens=40)
+    assert res.token_ids == greedy[:5]
+    assert res.stats.finish_reason == "eos"
+
+
+def test_stop_string_ends_generation_where_ar_would():
+    e = engine()
+    full = e.generate("w9 w10", max_new_tokens=30)
+    words = full.text.split()
+    stop = " ".join(words[5:7])  # a stop string spanning two tokens in the middle of the output
+    res = e.generate("w9 w10", max_new_tokens=30, stop=[stop])
+    assert res.stats.finish_reason == "stop"
+    assert stop not in res.text
+    assert full.text.startswith(res.text)
+    first = full.text.find(stop)
+    assert res.text == full.text[:first]
+    assert res.token_ids == full.token_ids[:len(res.token_ids)]
+    assert stop in e.decode(res.token_ids)  # the token that completed the stop string was the last one
+
+
+def test_streaming_emits_exactly_the_committed_text():
+    e = engine()
+    ref = e.generate("w11 w12 w13", max_new_tokens=25)
+    pieces = list(e.generate("w11 w12 w13", max_new_tokens=25, stream=True))
+    assert len(pieces) > 1
+    assert "".join(pieces) == ref.text
+    assert e.last_result.token_ids == ref.token_ids
+    words = ref.text.split()
+    stop = words[10]
+    pieces = list(e.generate("w11 w12 w13", max_new_tokens=25, stop=[stop], stream=True))
+    assert "".join(pieces) == e.last_result.text
+    assert stop not in "".join(pieces)
+
+
+def test_context_window_full_ends_cleanly():
+    e = engine("llama", 0, max_context=16)
+    res = e.generate("w5 w6 w7 w8 w9 w10", max_new_tokens=100)
+    assert res.stats.finish_reason == "context"
+    assert res.stats.prompt_tokens + len(res.token_ids) == 16  # the whole window, not one token more
+
+
+def test_sampling_params_validate():
+    from dsia.errors import CasspecError
+
+    for kw in (dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(CasspecError):
+            SamplingParams(**kw)
+
+
+def test_warp_topk_topp_and_greedy():
+    from dytc.sampling import warp
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    greedy = warp(logits, SamplingParams())
+    assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    p = warp(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)[0]
+    p = warp(logits, SamplingParams(temperature=1.0, top_p=float(full[0]) + 1e-3))  # needs the top two
+    assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
+    p = warp(logits, SamplingParams(temperature=1.0, top_p=float(full[0]) - 1e-3))  # the top one suffices
+    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    hot = warp(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(hot[0], torch.softmax(logits[0] / 0.5, -1))

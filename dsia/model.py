@@ -148,7 +148,7 @@ class Transformer:
     # ------------------------------------------------------------------ forward
     def forward(self, cache: KVCache, tokens: Tensor, positions: Tensor, start: int,
                 scratch_mask: Tensor | None = None, plan: Plan = TARGET,
-                logits_rows: Tensor | slice | None = None) -> Tensor:
+                logits_rows: Tensor | slice | None = None, visible_prefix: int | None = None) -> Tensor:
         """Run T new tokens on top of the committed prefix and return their logits.
 
         tokens, positions: [T] (positions are absolute, e.g. prefix length + tree depth).
@@ -156,6 +156,8 @@ class Transformer:
         scratch_mask: [T, start + T - cache.length] bool, which scratch slots each token sees (its ancestors
             and itself); the committed prefix is always visible. None = causal over all slots [0, start + T).
         logits_rows: which of the T rows need logits (None = all). Returns logits [N, V] in float32.
+        visible_prefix: only committed slots [0, visible_prefix) are visible (default: all of them); used to
+            re-score already committed tokens teacher-forced in scratch (e.g. the skip-set search).
         """
         s = self.spec
         T = tokens.shape[0]
@@ -163,7 +165,7 @@ class Transformer:
         if end > cache.capacity:
             raise CasspecError(f"context window full ({cache.capacity} tokens); shorten the prompt or the output")
         cache.reserve(end)
-        mask = self._attn_mask(cache.length, start, T, scratch_mask)
+        mask = self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
         is_causal = mask is None and T > 1  # only when start == 0: plain causal prefill
         cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
         x = F.embedding(tokens, self.embed)  # [T, D]
@@ -183,14 +185,20 @@ class Transformer:
         logits = plan.head(h) if plan.head is not None else F.linear(h, self.lm_head)
         return logits.float()  # [N, V]
 
-    def _attn_mask(self, length: int, start: int, T: int, scratch_mask: Tensor | None) -> Tensor | None:
+    def _attn_mask(self, length: int, start: int, T: int, scratch_mask: Tensor | None,
+                   visible_prefix: int | None) -> Tensor | None:
         """Boolean SDPA mask [T, start + T] or None (T == 1 sees every slot; causal prefill uses is_causal)."""
-        if scratch_mask is None:
+        if scratch_mask is None and visible_prefix is None:
             if T == 1 or start == 0:
                 return None
             return torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        if scratch_mask is None:  # causal over the scratch slots
+            scratch_mask = torch.ones(T, start + T - length, dtype=torch.bool, device=self.device).tril(
+                diagonal=start - length)
         assert scratch_mask.shape == (T, start + T - length), (scratch_mask.shape, T, start, length)
         prefix = torch.ones(T, length, dtype=torch.bool, device=self.device)
+        if visible_prefix is not None:
+            prefix[:, visible_prefix:] = False
         return torch.cat((prefix, scratch_mask.to(self.device)), dim=1)
 
     def _linear(self, i: int, name: str, x: Tensor, w: Tensor, plan: Plan) -> Tensor:

@@ -20,6 +20,8 @@ from tqdm import tqdm
 
 from dsia.errors import CasspecError
 
+from dsia.levels import LevelConfig
+
 from .engine import METHODS, Engine, Request
 
 BASELINE = "hf-ar"
@@ -78,11 +80,15 @@ def read_questions(path: str | Path, limit: int | None = None) -> list[Question]
 
 
 def parse_methods(spec: str | Sequence[str]) -> list[str]:
+    """Method names, baseline first. A single-level method may name its level: `sd:int8`, `tree:skip0.4`."""
     names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
-    unknown = [m for m in names if m not in BENCH_METHODS]
+    unknown = [m for m in names if m.split(":")[0] not in BENCH_METHODS or (":" in m and m.split(":")[0] in HF_METHODS)]
     if unknown or not names:
         raise CasspecError(f"unknown method(s) {', '.join(unknown) or '(none given)'}: "
-                           f"use any of {', '.join(BENCH_METHODS)}")
+                           f"use any of {', '.join(BENCH_METHODS)} (sd and tree take a level: sd:int8)")
+    for m in names:
+        if ":" in m:
+            LevelConfig.parse(m.split(":", 1)[1])
     if BASELINE in names:
         names.remove(BASELINE)
     return [BASELINE] + list(dict.fromkeys(names))  # the baseline always runs, first
@@ -110,16 +116,20 @@ def _hf_runner(engine: Engine, kwargs: dict) -> TurnFn:
     return run
 
 
-def _engine_runner(engine: Engine, method: str) -> TurnFn:
+def _engine_runner(engine: Engine, method: str, level: str) -> TurnFn:
+    name, _, own_level = method.partition(":")
+
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
-        res = engine.generate_ids(ids, Request(max_new_tokens=max_new_tokens, method=method))
+        res = engine.generate_ids(ids, Request(max_new_tokens=max_new_tokens, method=name, level=own_level or level))
         return res.token_ids, res.stats.target_forwards
 
     return run
 
 
-def make_runner(engine: Engine, method: str) -> TurnFn:
-    return _hf_runner(engine, HF_METHODS[method]) if method in HF_METHODS else _engine_runner(engine, method)
+def make_runner(engine: Engine, method: str, level: str = "int4") -> TurnFn:
+    if method in HF_METHODS:
+        return _hf_runner(engine, HF_METHODS[method])
+    return _engine_runner(engine, method, level)
 
 
 def run_question(engine: Engine, run: TurnFn, q: Question, max_new_tokens: int, answer: Answer | None) -> Answer:
@@ -196,7 +206,7 @@ def format_table(summary: dict) -> str:
 
 
 def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str], max_new_tokens: int,
-              out_dir: str | Path, dtype: str, repeats: int = 1, progress: bool = True) -> dict:
+              out_dir: str | Path, dtype: str, repeats: int = 1, progress: bool = True, level: str = "int4") -> dict:
     """Run every method over every question `repeats` times (median wall time per turn); write the answers,
     summary.json and return the summary."""
     if max_new_tokens < 1:
@@ -205,7 +215,7 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
         raise CasspecError(f"--repeats must be >= 1 (got {repeats})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runners = {m: make_runner(engine, m) for m in methods}
+    runners = {m: make_runner(engine, m, level) for m in methods}
     for m, run in runners.items():  # warm-up: one short untimed generation per method
         run(engine.encode([{"role": "user", "content": questions[0].turns[0]}]), min(16, max_new_tokens))
     answers: dict[str, list[Answer]] = {m: [] for m in methods}

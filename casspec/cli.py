@@ -6,6 +6,7 @@ import sys
 from typing import Sequence
 
 from dsia.errors import CasspecError
+from dsia.levels import LevelConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     _common(g)
     g.add_argument("--method", default="ar", help=f"decoding method: {', '.join(METHODS)}")
+    g.add_argument("--level", default="int4", help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -45,10 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default="hf-ar,hf-pld,ar", help="comma-separated methods")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--limit", type=int, default=None, help="first N questions only")
+    b.add_argument("--level", default="int4", help="draft level of sd / tree (or per method: sd:int8)")
     b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")
     b.add_argument("--out", default="bench-out", help="output folder")
     b.add_argument("--no-progress", action="store_true")
     _common(b)
+
+    lv = sub.add_parser("levels", help="cost, agreement and memory of draft levels")
+    lv.add_argument("--questions", required=True, help="Spec-Bench-format JSONL file (first turns are used)")
+    lv.add_argument("--limit", type=int, default=None, help="first N questions only")
+    lv.add_argument("--levels", default=None, help="comma-separated level names (default: a standard set)")
+    lv.add_argument("--max-new-tokens", type=int, default=128, help="continuation length scored per prompt")
+    lv.add_argument("--json", action="store_true", help="print the JSON report")
+    lv.add_argument("--no-progress", action="store_true")
+    _common(lv)
     return parser
 
 
@@ -61,11 +73,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CasspecError("the prompt is empty: pass some text")
     # validate everything before the (slow) load
     Request(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-            stop=tuple(args.stop), seed=args.seed, method=args.method)
+            stop=tuple(args.stop), seed=args.seed, method=args.method, level=args.level)
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
     pieces = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, stop=args.stop, seed=args.seed,
-                             method=args.method, stream=True, chat=False if args.no_chat else None)
+                             method=args.method, level=args.level, stream=True,
+                             chat=False if args.no_chat else None)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -80,18 +93,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .engine import Engine
 
     methods = parse_methods(args.methods)
+    LevelConfig.parse(args.level)
     questions = read_questions(args.questions, args.limit)
     if args.max_new_tokens < 1:
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
     summary = run_bench(engine, questions, methods, args.max_new_tokens, args.out, args.dtype,
-                        repeats=args.repeats, progress=not args.no_progress)
+                        repeats=args.repeats, progress=not args.no_progress, level=args.level)
     print(format_table(summary))
     print(f"answers and summary.json in {args.out}", file=sys.stderr)
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
+def cmd_levels(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench import read_questions
+    from .engine import Engine
+    from .levels_report import format_levels, measure_levels, parse_levels
+
+    names = parse_levels(args.levels)
+    questions = read_questions(args.questions, args.limit)
+    if args.max_new_tokens < 2:
+        raise CasspecError(f"--max-new-tokens must be >= 2 (got {args.max_new_tokens})")
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    report = measure_levels(engine, questions, names, args.max_new_tokens, progress=not args.no_progress)
+    print(json.dumps(report, indent=1) if args.json else format_levels(report))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "levels": cmd_levels}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,14 +14,16 @@ import torch
 
 from dsia.errors import CasspecError
 from dsia.kvcache import KVCache
+from dsia.levels import LevelConfig, LevelRegistry
 from dsia.model import Transformer
+from dytc.policies import ChainPolicy, DraftContext, PldPolicy, Policy, TreePolicy
 from dytc.sampling import SamplingParams, sample, warp
 from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
 from dytc.verify import verify_greedy, verify_sampling
 
 from .loading import Loaded, load
 
-METHODS = ("ar",)  # decoding methods of this engine; speculative ones join as they land
+METHODS = ("ar", "pld", "sd", "tree")  # decoding methods (drafting policies) of this engine
 
 Prompt = str | Sequence[dict]  # raw text or chat messages [{"role": ..., "content": ...}]
 
@@ -33,12 +35,14 @@ class Request:
     stop: tuple[str, ...] = ()  # stop strings: generation ends once the text contains one (excluded from text)
     seed: int | None = None  # seed of the sampling generator; None = fresh randomness
     method: str = "ar"  # decoding method, one of METHODS
+    level: str = "int4"  # the draft level of the single-level methods (sd, tree)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise CasspecError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
         if self.method not in METHODS:
             raise CasspecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
+        LevelConfig.parse(self.level)  # a clear error for a bad level name, before any work
         if any(not s for s in self.stop):
             raise CasspecError("stop strings must not be empty: drop the empty --stop")
 
@@ -53,6 +57,8 @@ class Stats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     target_forwards: int = 0  # target forwards that emitted tokens (the prefill emits the first token)
+    draft_forwards: int = 0  # draft-level forwards (0 for ar and pld)
+    tree_nodes: int = 0  # draft nodes verified, over all steps (root excluded)
     finish_reason: str = ""  # eos | stop | length | context
     accepted_by_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d+1
 
@@ -94,6 +100,7 @@ class Engine:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         self.cache: KVCache = self.model.new_cache(max_context)
         self.eos_ids = self._eos_ids()
+        self.levels = LevelRegistry(self.model)  # draft levels, built on first use and reused
         self.last_result: Result | None = None  # the Result of the latest generation (also when streamed)
 
     @classmethod
@@ -148,11 +155,11 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, stop: Sequence[str] | None = None, seed: int | None = None, method: str = "ar",
-                 stream: bool = False, chat: bool | None = None) -> Result | Iterator[str]:
+                 level: str = "int4", stream: bool = False, chat: bool | None = None) -> Result | Iterator[str]:
         """Generate from a prompt. Returns a Result, or with stream=True an iterator of text pieces (the pieces
         concatenate to the final text; the Result is then available as `engine.last_result`)."""
         req = Request(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
-                      stop=tuple(stop or ()), seed=seed, method=method)
+                      stop=tuple(stop or ()), seed=seed, method=method, level=level)
         ids = self.encode(prompt, chat)
         if len(ids) >= self.cache.capacity:
             raise CasspecError(f"the prompt has {len(ids)} tokens but the context window holds {self.cache.capacity}:"
@@ -211,6 +218,15 @@ class Engine:
             yield text[sent:]
 
     # ------------------------------------------------------------------ the decode loop
+    def policy(self, req: Request) -> Policy:
+        """The drafting policy of a method (a fresh one per generation; levels are shared)."""
+        if req.method == "ar":
+            return Policy()
+        if req.method == "pld":
+            return PldPolicy()
+        level = self.levels.get(req.level)
+        return ChainPolicy(level) if req.method == "sd" else TreePolicy(level)
+
     @torch.inference_mode()
     def _decode(self, prompt_ids: list[int], req: Request, stats: Stats) -> Iterator[list[int]]:
         """Yield blocks of committed tokens until the caller stops or the context window is full."""
@@ -221,6 +237,7 @@ class Engine:
             generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         dev = self.device
         cache.rollback(0)
+        policy = self.policy(req)
 
         # prefill: the whole prompt in one forward; its last row gives the first token
         t = time.perf_counter()
@@ -231,32 +248,37 @@ class Engine:
         root = self._pick(logits, req.sampling, generator)
         stats.prefill_seconds = time.perf_counter() - t
         stats.target_forwards = 1
+        ctx = DraftContext(model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
+                           budget=req.max_new_tokens - 1)
+        t = time.perf_counter()
+        policy.begin(ctx)
+        stats.draft_seconds += time.perf_counter() - t
         yield [root]
 
         while cache.length + 1 < cache.capacity:
             t = time.perf_counter()
-            tree = self._draft(root, req)  # draft
+            tree = policy.draft(ctx)  # draft
             stats.draft_seconds += time.perf_counter() - t
             t = time.perf_counter()
             logits = self._verify_forward(tree)  # verify: one target forward over the whole tree
             path, bonus = self._accept(tree, logits, req.sampling, generator)  # accept
             cache.commit(path)  # update: the accepted path's KV joins the committed prefix
             stats.verify_seconds += time.perf_counter() - t
+            emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
+            ctx.history.extend(emitted)
+            ctx.budget -= len(emitted)
+            t = time.perf_counter()
+            policy.observe(ctx, tree, path, emitted)
+            stats.draft_seconds += time.perf_counter() - t
             stats.target_forwards += 1
+            stats.tree_nodes += len(tree) - 1
             depth = len(path) - 1
             while len(stats.accepted_by_depth) < depth:
                 stats.accepted_by_depth.append(0)
             for d in range(depth):
                 stats.accepted_by_depth[d] += 1
-            root = bonus
-            yield [tree.tokens[i] for i in path[1:]] + [bonus]
-
-    def _draft(self, root: int, req: Request) -> DraftTree:
-        """The draft tree for this step. `ar` drafts nothing: the tree is the root alone."""
-        room = self.cache.capacity - self.cache.length
-        tree = DraftTree.root(root)
-        assert len(tree) <= room
-        return tree
+            stats.draft_forwards = ctx.draft_forwards
+            yield emitted
 
     def _verify_forward(self, tree: DraftTree) -> torch.Tensor:
         """One target forward over the flattened tree, written to scratch. Returns logits [N, V]."""
@@ -266,15 +288,16 @@ class Engine:
         mask = None if is_chain(tree.parents) else ancestor_mask(tree.parents, dev)
         return self.model.forward(cache, tokens, pos, cache.length, mask)
 
+    # sampling runs on the CPU with a CPU generator, on any device (a few [N, V] rows per step)
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
         if sampling.greedy:
             return int(logits[-1].argmax())
-        return int(sample(warp(logits[-1:], sampling), generator)[0])
+        return int(sample(warp(logits[-1:].cpu(), sampling), generator)[0])
 
     @staticmethod
     def _accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
                 generator: torch.Generator | None) -> tuple[list[int], int]:
         if sampling.greedy:
             return verify_greedy(tree, logits)
-        return verify_sampling(tree, warp(logits, sampling), generator)
+        return verify_sampling(tree, warp(logits.cpu(), sampling), generator)

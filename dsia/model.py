@@ -213,9 +213,18 @@ class Transformer:
                    cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool, plan: Plan) -> Tensor:
         s = self.spec
         T = x.shape[0]
-        q = self._linear(i, "q", x, lw.wq, plan).view(T, s.n_heads, s.head_dim)  # [T, H, hd]
-        k = self._linear(i, "k", x, lw.wk, plan).view(T, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
-        v = self._linear(i, "v", x, lw.wv, plan).view(T, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        qkv = plan.fused.get((i, "qkv")) if plan.fused else None
+        if qkv is not None:  # one kernel for the three projections
+            q, k, v = qkv(x).split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim,
+                                    s.n_kv_heads * s.head_dim], dim=-1)
+            q, k, v = (t if lw.bias.get(n) is None else t + lw.bias[n] for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        else:
+            q = self._linear(i, "q", x, lw.wq, plan)
+            k = self._linear(i, "k", x, lw.wk, plan)
+            v = self._linear(i, "v", x, lw.wv, plan)
+        q = q.reshape(T, s.n_heads, s.head_dim)  # [T, H, hd]
+        k = k.reshape(T, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
+        v = v.reshape(T, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
         if lw.q_norm is not None:
             q = rms_norm(q, lw.q_norm, s.norm_eps)
             k = rms_norm(k, lw.k_norm, s.norm_eps)
@@ -230,6 +239,10 @@ class Transformer:
         return self._linear(i, "o", o, lw.wo, plan)
 
     def _mlp(self, i: int, lw: LayerWeights, x: Tensor, plan: Plan) -> Tensor:
-        gate = self._linear(i, "gate", x, lw.w_gate, plan)  # [T, I]
-        up = self._linear(i, "up", x, lw.w_up, plan)  # [T, I]
+        gate_up = plan.fused.get((i, "gate_up")) if plan.fused else None
+        if gate_up is not None:
+            gate, up = gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        else:
+            gate = self._linear(i, "gate", x, lw.w_gate, plan)  # [T, I]
+            up = self._linear(i, "up", x, lw.w_up, plan)  # [T, I]
         return self._linear(i, "down", F.silu(gate) * up, lw.w_down, plan)  # [T, D]

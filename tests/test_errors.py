@@ -120,7 +120,8 @@ def test_truncated_gguf(capsys, tmp_path, monkeypatch):
 def test_missing_optional_package(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path / "cache"))
     real = loading.importlib.util.find_spec
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    monkeypatch.setattr(loading.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real(name, *a))
     f = tmp_path / "model.gguf"
     f.write_bytes(b"GGUF" + bytes(64))
     rc, _, err = run_cli(capsys, "generate", "hi", "--model", str(f))

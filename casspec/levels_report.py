@@ -1,0 +1,153 @@
+"""`casspec levels`: per draft level, its cost ratio vs the target, its top-1 agreement and its extra memory.
+
+- cost ratio: median wall time of the level's forward over one token at the question's full context, divided
+  by the target's (same token, same context), interleaved so that machine drift hits both alike;
+- agreement: teacher-forced along the target's own greedy continuation of each prompt, in chunks of 8 tokens
+  as a draft sees them: the level reads the target's committed KV for everything before the chunk;
+- extra memory: what the level holds beyond the target's weights.
+Levels that learn on the fly (the skip search) first learn on a fixed warm-up prompt that is not measured.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from dsia.levels import Level, LevelConfig
+from dsia.skip import contiguous_skips, skip_plan
+
+from .bench import Question
+from .engine import Engine, Request
+
+DEFAULT_LEVELS = ("int8", "int4", "nf4", "skip0.4", "skip0.6", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
+WARMUP_PROMPT = "Write a few paragraphs about the history of printing, from woodblocks to laser printers."
+CHUNK = 8  # tokens teacher-forced per draft forward when measuring agreement
+
+
+@dataclass
+class Measured:
+    agree: int = 0  # teacher-forced top-1 hits
+    total: int = 0  # tokens scored
+    ratios: list[float] = field(default_factory=list)  # per question: level ms / target ms
+    contiguous_agree: int = 0  # skip levels: hits with the same count of sublayers skipped contiguously
+
+
+def _commit_target(engine: Engine, ids: list[int]) -> None:
+    cache, model = engine.cache, engine.model
+    n = len(ids)
+    start = cache.length
+    model.forward(cache, torch.tensor(ids[start:]), torch.arange(start, n), start,
+                  logits_rows=slice(n - 1 - start, n - start))
+    cache.commit(list(range(n - start)))
+
+
+def _learn(engine: Engine, level: Level, tokens: int) -> None:
+    """Let a level learn on the warm-up prompt: run its on-the-fly search to the end."""
+    ids = engine.encode(WARMUP_PROMPT)
+    cont = engine.generate_ids(ids, Request(max_new_tokens=tokens)).token_ids
+    cache = engine.cache
+    cache.rollback(0)
+    hist = ids + cont
+    _commit_target(engine, hist[:-1])
+    level.begin(engine.model, cache, hist)
+    while level.search is not None and not level.search.done:
+        level.observe(engine.model, cache, hist, [])
+
+
+def _agreement(engine: Engine, level: Level, prompt: list[int], cont: list[int], plans: list) -> list[int]:
+    """Teacher-forced top-1 agreement counts, one per plan in `plans` (None = the level's own plan)."""
+    model, cache = engine.model, engine.cache
+    cache.rollback(0)
+    _commit_target(engine, prompt)
+    level.begin(model, cache, prompt + cont[:1])
+    hits = [0] * len(plans)
+    for s in range(0, len(cont) - 1, CHUNK):
+        inputs = cont[s:s + CHUNK]
+        targets = cont[s + 1:s + 1 + CHUNK]
+        inputs = inputs[:len(targets)]
+        L = cache.length
+        tok = torch.tensor(inputs)
+        pos = torch.arange(L, L + len(inputs))
+        for j, plan in enumerate(plans):
+            logits = model.forward(cache, tok, pos, L, plan=plan or level.plan)
+            hits[j] += int((logits.argmax(-1) == torch.tensor(targets)).sum())
+        level.observe(model, cache, prompt + cont[:s + len(inputs) + 1], inputs)
+        _commit_target(engine, prompt + cont[:s + len(inputs)])
+    return hits
+
+
+def _cost_ratio(engine: Engine, level: Level, repeats: int) -> tuple[float, float]:
+    """(median level ms, median target ms) of a 1-token forward at the current context."""
+    model, cache = engine.model, engine.cache
+    L = cache.length
+    tok, pos = torch.tensor([7]), torch.tensor([L])
+    lt, tt = [], []
+    for r in range(repeats + 2):
+        t0 = time.perf_counter()
+        model.forward(cache, tok, pos, L, plan=level.plan)
+        t1 = time.perf_counter()
+        model.forward(cache, tok, pos, L)
+        t2 = time.perf_counter()
+        if r >= 2:  # the first two are warm-up
+            lt.append(t1 - t0)
+            tt.append(t2 - t1)
+    return statistics.median(lt) * 1e3, statistics.median(tt) * 1e3
+
+
+@torch.inference_mode()
+def measure_levels(engine: Engine, questions: list[Question], names: list[str], max_new_tokens: int = 128,
+                   repeats: int = 15, progress: bool = True) -> dict:
+    levels = [engine.levels.get(n) for n in names]  # builds quantized copies once; bad names fail here
+    for level in levels:
+        if level.search is not None and not level.search.done:
+            _learn(engine, level, max_new_tokens)
+    data = {lv.name: Measured() for lv in levels}
+    target_ms = []
+    for q in tqdm(questions, desc="levels", unit="q", disable=not progress, file=sys.stderr):
+        prompt = engine.encode([{"role": "user", "content": q.turns[0]}])
+        cont = engine.generate_ids(prompt, Request(max_new_tokens=max_new_tokens)).token_ids
+        for level in levels:
+            m = data[level.name]
+            plans = [None]
+            if level.search is not None:
+                plans.append(skip_plan(contiguous_skips(engine.model.spec.n_layers, level.search.count)))
+            hits = _agreement(engine, level, prompt, cont, plans)
+            m.agree += hits[0]
+            m.total += len(cont) - 1
+            if len(plans) > 1:
+                m.contiguous_agree += hits[1]
+            lms, tms = _cost_ratio(engine, level, repeats)
+            m.ratios.append(lms / tms)
+            target_ms.append(tms)
+    out = {"target_ms": statistics.median(target_ms), "levels": {}}
+    for level in levels:
+        m = data[level.name]
+        row = {"cost_ratio": statistics.median(m.ratios), "agreement": m.agree / max(m.total, 1),
+               "extra_bytes": level.extra_bytes}
+        if level.search is not None:
+            row["contiguous_agreement"] = m.contiguous_agree / max(m.total, 1)
+            row["skipped_sublayers"] = sorted(f"{k}{i}" for k, i in level.search.skips)
+        out["levels"][level.name] = row
+    return out
+
+
+def format_levels(report: dict) -> str:
+    lines = [f"target forward (1 token): {report['target_ms']:.1f} ms",
+             "| level | cost ratio | agreement | extra MB | contiguous-skip agreement |",
+             "|---|---|---|---|---|"]
+    for name, r in report["levels"].items():
+        contig = f"{r['contiguous_agreement']:.3f}" if "contiguous_agreement" in r else "-"
+        lines.append(f"| {name} | {r['cost_ratio']:.3f} | {r['agreement']:.3f} | {r['extra_bytes'] / 1e6:.1f} | "
+                     f"{contig} |")
+    return "\n".join(lines)
+
+
+def parse_levels(spec: str | None) -> list[str]:
+    names = [n.strip() for n in (spec.split(",") if spec else DEFAULT_LEVELS) if n.strip()]
+    for n in names:
+        LevelConfig.parse(n)  # a clear error before any work
+    return names

@@ -1,0 +1,310 @@
+"""Weight-only quantized copies of a Transformer's linear weights, as kernels for a `Plan`.
+
+`quantize_linears(model, QuantConfig("int4"))` builds, once, a quantized copy of every projection (q, k, v, o,
+gate, up, down of every layer) and of the LM head, and returns them as `Plan.linears` / `Plan.head` kernels.
+The model's own tensors are only read; the embedding lookup stays full precision even when the head is tied.
+
+Kinds (weight-only, activations go through the kernel in `act_dtype`, the output comes back in x's dtype):
+  int8      per-output-channel symmetric int8, `torch._weight_int8pack_mm`: w = q * scale[out]
+  int8g     group-wise symmetric int8 (GGUF Q8_0 style), run as two 4-bit planes through the int4 kernel
+  int4      group-wise asymmetric 4-bit, `torch._weight_int4pack_mm_for_cpu`: w = (q - 8) * scale[g, out] + zero[g, out]
+  nf4       bitsandbytes NF4 (block absmax), its fused AVX512-BF16 CPU kernel
+  int8-bnb  bitsandbytes vector-wise int8 (weights per row, activations per token, int8 x int8 matmul)
+
+A matrix whose shape a kernel cannot take (int4/int8g: out % 16, in % group_size; nf4: out % 32, in % group_size)
+falls back to int8; `QuantizedLinears.kinds` says what each matrix got. Shapes: T = tokens, in/out = features.
+
+With `fuse`, q|k|v and gate|up of a layer are one quantized matrix each (one kernel call per shared input),
+handed to the Plan as `Plan.fused` kernels whose output columns the runtime splits (see `FusedLinear`).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .errors import CasspecError
+from .model import Transformer
+from .plan import HeadFn, LinearFn, Plan
+
+KINDS = ("int8", "int8g", "int4", "nf4", "int8-bnb")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+NF4_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes.functional.quantize_4bit accepts
+HEAD = "head"  # key of the LM head in QuantizedLinears.kinds
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    kind: str  # "int8" | "int8g" | "int4" | "nf4" | "int8-bnb"
+    group_size: int = 32  # int4/int8g: input columns per scale (32 = GGUF Q4_1/Q8_0 blocks); nf4: bnb blocksize
+    act_dtype: torch.dtype = torch.bfloat16  # activations inside the torch int8/int4 kernels (bf16: 10-25x fp32 here)
+    head_kind: str | None = "int8g"  # LM head kind; None = same as kind (int8g: a 4-bit head costs most agreement)
+    fuse: bool = True  # one kernel for q|k|v and one for gate|up per layer
+
+    def __post_init__(self) -> None:
+        for k in (self.kind, self.head_kind or self.kind):
+            if k not in KINDS:
+                raise CasspecError(f"unknown quantization kind {k!r}: use one of {', '.join(KINDS)}")
+        if self.group_size < 2:
+            raise CasspecError(f"group size must be at least 2, got {self.group_size}")
+        if {"int4", "int8g"} & {self.kind, self.head_kind} and self.group_size not in INT4_GROUP_SIZES:
+            raise CasspecError(f"int4/int8g group size {self.group_size} is not supported: use one of "
+                               f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+        if "nf4" in (self.kind, self.head_kind) and self.group_size not in NF4_BLOCK_SIZES:
+            raise CasspecError(f"nf4 block size {self.group_size} is not supported: use one of "
+                               f"{', '.join(map(str, NF4_BLOCK_SIZES))}")
+        if self.act_dtype not in (torch.bfloat16, torch.float32):
+            raise CasspecError(f"activation dtype {self.act_dtype} is not supported: use torch.bfloat16 or float32")
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+class Int8Linear:
+    """Per-output-channel symmetric int8: w ~ q * scale. x [T, in] -> y [T, out] (no bias)."""
+
+    kind = "int8"
+
+    def __init__(self, w: Tensor, act_dtype: torch.dtype = torch.bfloat16) -> None:
+        w = w.detach().float()  # [out, in]
+        self.act_dtype = act_dtype
+        self.scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(act_dtype)  # [out]
+        # quantize against the rounded scale, so q * scale is the nearest point the kernel can represent
+        self.q = (w / self.scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch._weight_int8pack_mm(x.to(self.act_dtype), self.q, self.scales).to(x.dtype)  # [T, out]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.q, self.scales)
+
+
+class Int4Linear:
+    """Group-wise asymmetric 4-bit (gpt-fast / torchao tinygemm convention), q in [0, 15]:
+    w[o, g*G:(g+1)*G] ~ (q - 8) * scale[g, o] + zero[g, o]. x [T, in] -> y [T, out] (no bias)."""
+
+    kind = "int4"
+
+    def __init__(self, w: Tensor, group_size: int, act_dtype: torch.dtype = torch.bfloat16) -> None:
+        out, n_in = w.shape
+        assert int4_fits(out, n_in, group_size), (out, n_in, group_size)
+        g = w.detach().float().reshape(out, n_in // group_size, group_size)  # [out, n_groups, G]
+        lo, hi = g.amin(dim=2), g.amax(dim=2)  # [out, n_groups]
+        scale = ((hi - lo) / 15).clamp(min=1e-6).to(act_dtype)  # min/max puts a GGUF Q4_1 block on its own grid
+        zero = (lo + 8 * scale.float()).to(act_dtype)
+        q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8).round().clamp(0, 15)  # [out, n_groups, G]
+        self.group_size = group_size
+        self.act_dtype = act_dtype
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out, n_in).to(torch.int32), 1)  # [out, in/2]
+        self.scales_and_zeros = torch.stack((scale, zero), dim=2).transpose(0, 1).contiguous()  # [n_groups, out, 2]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.to(self.act_dtype), self.packed, self.group_size,
+                                              self.scales_and_zeros)  # [T, out]
+        return y.to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_and_zeros)
+
+
+class Int8GroupLinear:
+    """Group-wise symmetric int8, w[o, g*G:(g+1)*G] ~ q * d[o, g] with q in [-127, 127] (GGUF Q8_0 when G = 32),
+    run through the int4 kernel as two nibble planes: q + 128 = 16 * h + l, so
+    w = (h - 8) * 16d + (l - 8) * d + 8d, i.e. y = [x, x] @ [hi | lo].T with int4 scales (16d, 0) and (d, 8d).
+    Twice the bytes of int4, as many as per-channel int8, but per-group scales. x [T, in] -> y [T, out]."""
+
+    kind = "int8g"
+
+    def __init__(self, w: Tensor, group_size: int, act_dtype: torch.dtype = torch.bfloat16) -> None:
+        out, n_in = w.shape
+        assert int4_fits(out, n_in, group_size), (out, n_in, group_size)
+        g = w.detach().float().reshape(out, n_in // group_size, group_size)  # [out, n_groups, G]
+        d = (g.abs().amax(dim=2) / 127).clamp(min=1e-12).to(act_dtype)  # [out, n_groups]
+        q = (g / d.float()[..., None]).round().clamp(-127, 127).to(torch.int32) + 128  # [out, n_groups, G] in [1, 255]
+        nibbles = torch.cat((q >> 4, q & 15), dim=1).reshape(out, 2 * n_in)  # [out, 2*in]: hi planes, then lo planes
+        self.group_size = group_size
+        self.act_dtype = act_dtype
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(nibbles, 1)  # [out, in]
+        scale = torch.cat((16 * d, d), dim=1)  # [out, 2*n_groups]
+        zero = torch.cat((torch.zeros_like(d), 8 * d), dim=1)  # [out, 2*n_groups]
+        self.scales_and_zeros = torch.stack((scale, zero), dim=2).transpose(0, 1).contiguous()  # [2*n_groups, out, 2]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        xx = x.to(self.act_dtype).repeat(1, 2)  # [T, 2*in]
+        y = torch._weight_int4pack_mm_for_cpu(xx, self.packed, self.group_size, self.scales_and_zeros)  # [T, out]
+        return y.to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_and_zeros)
+
+
+class NF4Linear:
+    """bitsandbytes NF4: 16 normal-quantile levels times a per-block absmax (blocks of `blocksize` along in).
+    Uses bnb's fused AVX512-BF16 CPU kernel (bf16 activations). x [T, in] -> y [T, out] (no bias)."""
+
+    kind = "nf4"
+
+    def __init__(self, w: Tensor, blocksize: int) -> None:
+        bnb, bnbF = _bitsandbytes()
+        out, n_in = w.shape
+        packed, state = bnbF.quantize_4bit(w.detach().float().contiguous(), blocksize=blocksize, quant_type="nf4")
+        self.fused = w.device.type == "cpu" and nf4_fits(out, n_in, blocksize) and bnbF.has_avx512bf16()
+        if self.fused:  # repack for the fused kernel (what bnb.nn.Linear4bit does on its first CPU forward)
+            packed, state = bnbF._convert_weight_packed_for_cpu(packed, state)  # [out, in/2], absmax bf16
+        else:
+            packed = packed.t()  # generic path: dequantize, then a dense matmul
+        self.packed, self.state, self._matmul = packed, state, bnb.matmul_4bit
+
+    def __call__(self, x: Tensor) -> Tensor:
+        a = x.to(torch.bfloat16 if self.fused else torch.float32)
+        return self._matmul(a, self.packed, self.state).to(x.dtype)  # [T, out]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.state.absmax, self.state.code)
+
+
+class BnbInt8Linear:
+    """bitsandbytes vector-wise int8 (LLM.int8() without the outlier split): weights quantized per output row,
+    activations per token at call time, int8 x int8 -> int32 matmul, then rescaled. x [T, in] -> y [T, out]."""
+
+    kind = "int8-bnb"
+
+    def __init__(self, w: Tensor) -> None:
+        _, self._F = _bitsandbytes()
+        self.q, self.row_absmax, _ = self._F.int8_vectorwise_quant(w.detach().float().contiguous())  # [out, in], [out]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        xq, x_absmax, _ = self._F.int8_vectorwise_quant(x.float().contiguous())  # [T, in] int8, [T]
+        acc = self._F.int8_linear_matmul(xq, self.q)  # [T, out] int32
+        return self._F.int8_mm_dequant(acc, x_absmax, self.row_absmax).to(x.dtype)  # [T, out]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.q, self.row_absmax)
+
+
+QuantLinear = Int8Linear | Int8GroupLinear | Int4Linear | NF4Linear | BnbInt8Linear
+
+
+class FusedLinear:
+    """One quantized matrix for several projections that share their input (q|k|v, gate|up), stacked by rows:
+    x [T, in] -> [T, sum(out)], for Plan.fused (the runtime splits the columns)."""
+
+    def __init__(self, kernel: QuantLinear, sizes: list[int]) -> None:
+        self.kernel = kernel
+        self.kind = kernel.kind
+        self.sizes = sizes  # out features of the parts, in order
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.kernel(x)  # [T, sum(out)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kernel.nbytes
+
+
+def int4_fits(out: int, n_in: int, group_size: int) -> bool:
+    """Whether _convert_weight_to_int4pack_for_cpu / _weight_int4pack_mm_for_cpu take an [out, in] weight."""
+    return out % 16 == 0 and n_in % group_size == 0 and group_size in INT4_GROUP_SIZES
+
+
+def nf4_fits(out: int, n_in: int, blocksize: int) -> bool:
+    """Whether bnb's fused CPU NF4 kernel takes an [out, in] weight (its repacking tiles 32 output rows)."""
+    return out % 32 == 0 and n_in % blocksize == 0
+
+
+def quantize_weight(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear:
+    """One quantized copy of w [out, in]; int4/int8g/nf4 fall back to int8 for shapes their kernels cannot take."""
+    out, n_in = w.shape
+    if kind in ("int4", "int8g") and int4_fits(out, n_in, cfg.group_size):
+        if w.device.type != "cpu":
+            raise CasspecError(f"{kind} kernels run on cpu only, the model is on {w.device}: use int8")
+        cls = Int4Linear if kind == "int4" else Int8GroupLinear
+        return cls(w, cfg.group_size, cfg.act_dtype)
+    if kind == "nf4" and nf4_fits(out, n_in, cfg.group_size):
+        return NF4Linear(w, cfg.group_size)
+    if kind == "int8-bnb":
+        return BnbInt8Linear(w)
+    return Int8Linear(w, cfg.act_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- whole model
+FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # projections sharing one input
+
+
+@dataclass
+class QuantizedLinears:
+    linears: dict[tuple[int, str], LinearFn]  # (layer, projection) -> kernel, for Plan.linears (unfused ones)
+    head: HeadFn | None  # LM head kernel (h [N, D] -> logits [N, V]), for Plan.head; None when not quantized
+    nbytes: int  # extra memory held: packed weights + scales/zeros/absmax of every copy
+    kinds: dict[tuple[int, str] | str, str] = field(default_factory=dict)  # key (or HEAD) -> kind actually used
+    fused: dict[tuple[int, str], FusedLinear] = field(default_factory=dict)  # (layer, "qkv"|"gate_up") -> kernel
+
+    def plan(self, **kw) -> Plan:
+        """A Plan running these kernels (extra Plan fields, e.g. skip_mlp, pass through)."""
+        return Plan(linears=self.linears, fused=self.fused, head=self.head, **kw)
+
+
+def _projection_weights(model: Transformer, i: int) -> dict[str, Tensor]:
+    lw = model.layers[i]
+    return dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down)
+
+
+@torch.no_grad()
+def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int] | None = None,
+                     include_head: bool = True) -> QuantizedLinears:
+    """Quantized copies of every projection of `layers` (None = all) and, if asked, of the LM head.
+
+    Built once; the model's tensors are only read (a fused matrix is a new concatenation). Returns kernels keyed
+    like `Plan.linears`; `.plan()` wraps them in a Plan.
+    """
+    if {"nf4", "int8-bnb"} & {cfg.kind, cfg.head_kind}:
+        _bitsandbytes()  # fail early, with the install hint
+    idx = range(model.spec.n_layers) if layers is None else sorted(set(layers))
+    q = QuantizedLinears(linears={}, head=None, nbytes=0)
+    for i in idx:
+        weights = _projection_weights(model, i)
+        groups = list(FUSED_GROUPS.items()) if cfg.fuse else []
+        for gname, names in groups:
+            ws = [weights.pop(n) for n in names]
+            stacked = torch.cat(ws)  # [sum(out), in], a temporary copy
+            fused = FusedLinear(quantize_weight(stacked, cfg.kind, cfg), [w.shape[0] for w in ws])
+            q.fused[(i, gname)] = fused
+            q.nbytes += fused.nbytes
+            for n in names:
+                q.kinds[(i, n)] = fused.kind
+        for n, w in weights.items():
+            k = quantize_weight(w, cfg.kind, cfg)
+            q.linears[(i, n)], q.kinds[(i, n)] = k, k.kind
+            q.nbytes += k.nbytes
+    if include_head:
+        q.head = quantize_weight(model.lm_head, cfg.head_kind or cfg.kind, cfg)  # a copy: the embedding is untouched
+        q.kinds[HEAD] = q.head.kind
+        q.nbytes += q.head.nbytes
+    return q
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _bitsandbytes():
+    """(bitsandbytes, bitsandbytes.functional), imported on first use."""
+    # its CPU backend warns at import that an optional hub kernel is missing; its own fused kernel is used instead
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        bnb = importlib.import_module("bitsandbytes")
+    except ImportError:
+        raise CasspecError("nf4 / int8-bnb quantization needs bitsandbytes: pip install bitsandbytes") from None
+    finally:
+        log.setLevel(level)
+    return bnb, importlib.import_module("bitsandbytes.functional")

@@ -1,0 +1,192 @@
+"""Drafting policies: who drafts the tree the target verifies each step.
+
+A policy sees a DraftContext (the runtime, the KV cache, the token history whose last token is the root) and
+returns a DraftTree. Draft forwards write only scratch slots: node i of the tree lives at slot
+cache.length + i, so a forward over a contiguous range of new nodes passes their rows of the ancestor mask.
+
+  ar    the root alone (plain autoregressive decoding)
+  pld   a chain copied by prompt lookup (n-gram match over prompt + output)
+  sd    a chain drafted by one level, as long as its cumulative top-1 confidence stays above a threshold
+  tree  a tree drafted by one level: each depth expands the most probable frontier nodes with their top-k
+        tokens in one batched forward (EAGLE-2 / SWIFT style), then the best nodes by cumulative draft
+        probability are kept (a prefix-closed set, since probabilities only shrink down a path)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsia.kvcache import KVCache
+from dsia.levels import Level
+from dsia.model import Transformer
+
+from .ngram import PromptLookup
+from .sampling import SamplingParams, sample, warp
+from .tree import DraftTree, ancestor_mask, position_ids
+
+
+@dataclass
+class DraftContext:
+    model: Transformer
+    cache: KVCache
+    history: list[int]  # every token so far (prompt + output); history[-1] is the root, not yet in the cache
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    eos_ids: frozenset[int] = frozenset()
+    budget: int = 1 << 30  # tokens the generation may still emit
+    draft_forwards: int = 0  # level forwards run by the policy in this generation
+
+    @property
+    def room(self) -> int:
+        """Most tree nodes (root included) worth verifying: what fits in the cache and in the token budget
+        (a path of d draft tokens emits d + 1)."""
+        return max(1, min(self.cache.capacity - self.cache.length, self.budget))
+
+
+class Policy:
+    name = "ar"
+
+    def begin(self, ctx: DraftContext) -> None:
+        """A new generation: ctx.history is the prompt plus the first token (the first root)."""
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        return DraftTree.root(ctx.history[-1])
+
+    def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
+        """After verification: `path` (tree nodes) was committed and `emitted` appended to ctx.history."""
+
+
+class PldPolicy(Policy):
+    name = "pld"
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3) -> None:
+        self.num_tokens = num_tokens  # most tokens copied per step
+        self.max_ngram = max_ngram  # longest n-gram matched
+
+    def begin(self, ctx: DraftContext) -> None:
+        self.lookup = PromptLookup(ctx.history, max_ngram=self.max_ngram, eos_ids=ctx.eos_ids)
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        tokens, _ = self.lookup.propose(min(self.num_tokens, ctx.room - 1))
+        tree = DraftTree.root(ctx.history[-1])
+        for t in tokens:
+            tree.add(len(tree) - 1, t)
+        return tree
+
+    def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
+        self.lookup.extend(emitted)
+
+
+@dataclass
+class ChainConfig:
+    max_tokens: int = 10  # longest chain drafted per step
+    min_confidence: float = 0.4  # stop once the chain's cumulative draft probability falls below this
+
+
+class ChainPolicy(Policy):
+    """`sd`: one level drafts a chain token by token (one 1-token forward each) until its confidence drops."""
+    name = "sd"
+
+    def __init__(self, level: Level, cfg: ChainConfig = ChainConfig()) -> None:
+        self.level = level
+        self.cfg = cfg
+
+    def begin(self, ctx: DraftContext) -> None:
+        self.level.begin(ctx.model, ctx.cache, ctx.history)
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        cache, dev = ctx.cache, ctx.model.device
+        L = cache.length
+        tree = DraftTree.root(ctx.history[-1])
+        conf = 1.0
+        for d in range(min(self.cfg.max_tokens, ctx.room - 1)):
+            logits = self.level.forward(ctx.model, cache, torch.tensor([tree.tokens[-1]], device=dev),
+                                        torch.tensor([L + d], device=dev), L + d)  # [1, V]
+            ctx.draft_forwards += 1
+            if ctx.sampling.greedy:
+                probs = torch.softmax(logits[0], -1)  # [V]
+                tok = int(probs.argmax())
+                q = None
+            else:
+                q = warp(logits.cpu(), ctx.sampling)[0]  # [V]: the distribution the token is drawn from (CPU)
+                tok = int(sample(q[None], ctx.generator)[0])
+                probs = q
+            conf *= float(probs[tok])
+            tree.add(len(tree) - 1, tok, q)
+            if conf < self.cfg.min_confidence or tok in ctx.eos_ids:
+                break
+        return tree
+
+    def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
+        self.level.observe(ctx.model, ctx.cache, ctx.history, emitted)
+
+
+@dataclass
+class TreeConfig:
+    max_depth: int = 6  # draft forwards per step (one per depth)
+    top_k: int = 4  # children considered per expanded node
+    width: int = 4  # nodes expanded per depth (the most probable frontier nodes)
+    max_nodes: int = 16  # nodes verified (root included), the most probable ones
+    min_probability: float = 0.02  # nodes whose cumulative draft probability is below this are not kept
+
+
+class TreePolicy(Policy):
+    """`tree`: one level drafts a token tree, one batched forward per depth over the expanded nodes.
+
+    Children are the level's top-k tokens, deterministic (q one-hot), which is lossless for sampling too.
+    """
+    name = "tree"
+
+    def __init__(self, level: Level, cfg: TreeConfig = TreeConfig()) -> None:
+        self.level = level
+        self.cfg = cfg
+
+    def begin(self, ctx: DraftContext) -> None:
+        self.level.begin(ctx.model, ctx.cache, ctx.history)
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        cfg, cache, dev = self.cfg, ctx.cache, ctx.model.device
+        L = cache.length
+        tree = DraftTree.root(ctx.history[-1])
+        score = [1.0]  # cumulative draft probability per node
+        frontier = [0]  # nodes to expand at this depth: a contiguous range of node ids
+        budget = min(cfg.max_nodes, ctx.room)
+        for _ in range(cfg.max_depth):
+            a, b = frontier[0], frontier[-1] + 1
+            mask = ancestor_mask(tree.parents, dev)[a:b, :b]  # [F, b]
+            logits = self.level.forward(ctx.model, cache, torch.tensor(tree.tokens[a:b], device=dev),
+                                        position_ids(tree.parents, L, dev)[a:b], L + a, mask)  # [F, V]
+            ctx.draft_forwards += 1
+            top_p, top_i = torch.softmax(logits, -1).topk(cfg.top_k, dim=-1)  # [F, k]
+            cand = [(score[f] * float(top_p[j, c]), f, int(top_i[j, c]))
+                    for j, f in enumerate(frontier) for c in range(cfg.top_k)]
+            cand.sort(key=lambda x: -x[0])
+            frontier = []
+            for s, parent, tok in cand[:cfg.width]:
+                if s < cfg.min_probability:
+                    break
+                frontier.append(tree.add(parent, tok))
+                score.append(s)
+            if not frontier or len(tree) >= budget:
+                break
+            if all(tree.tokens[n] in ctx.eos_ids for n in frontier):
+                break
+        return prune(tree, score, budget)
+
+    def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
+        self.level.observe(ctx.model, ctx.cache, ctx.history, emitted)
+
+
+def prune(tree: DraftTree, score: list[float], max_nodes: int) -> DraftTree:
+    """Keep the root and the max_nodes - 1 best nodes by score (prefix-closed when scores shrink down paths)."""
+    if len(tree) <= max_nodes:
+        return tree
+    keep = sorted(sorted(range(1, len(tree)), key=lambda n: -score[n])[:max_nodes - 1])
+    keep_set = set(keep)
+    keep = [n for n in keep if all(p in keep_set or p == 0 for p in tree.path_to(n)[1:-1])]
+    new_id = {0: 0}
+    out = DraftTree.root(tree.tokens[0])
+    for n in keep:
+        new_id[n] = out.add(new_id[tree.parents[n]], tree.tokens[n], tree.q[n] if tree.q else None)
+    return out

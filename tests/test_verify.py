@@ -1,0 +1,184 @@
+"""Lossless verification: greedy speculative methods equal AR token for token (float32, random tiny models);
+sampled tokens follow the target's distribution (chi-square over >= 20,000 draws), and a wrong q is caught."""
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from casspec.engine import Request
+from dytc.sampling import SamplingParams, warp
+from dytc.tree import DraftTree
+from dytc.verify import verify_greedy, verify_sampling
+from tiny import ARCHS, tiny_engine
+
+V = 6  # tiny vocabulary for the distribution tests
+DRAWS = 20_000
+
+
+def chi2_p(observed: list[float], expected: list[float]) -> float:
+    """Chi-square p-value; expected counts rescaled (in float64) to the observed total."""
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+@functools.lru_cache(maxsize=None)
+def engine(arch: str, seed: int):
+    return tiny_engine(arch, seed)
+
+
+@settings(max_examples=30, deadline=None)
+@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 2),
+       method=st.sampled_from(["pld", "sd", "tree"]),
+       level=st.sampled_from(["int8", "int4", "skip0.3", "exit2", "sparse0.5", "vocab", "int8+sparse0.5+vocab"]),
+       prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24), n=st.integers(1, 40))
+def test_greedy_methods_equal_ar(arch, seed, method, level, prompt, n):
+    e = engine(arch, seed)
+    prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that pld finds matches
+    ar = e.generate_ids(prompt, Request(max_new_tokens=n))
+    spec = e.generate_ids(prompt, Request(max_new_tokens=n, method=method, level=level))
+    assert spec.token_ids == ar.token_ids
+    assert spec.stats.new_tokens <= n
+
+
+def test_verify_greedy_longest_path():
+    tree = DraftTree.root(0)
+    a = tree.add(0, 1)
+    tree.add(0, 2)
+    c = tree.add(a, 3)
+    tree.add(c, 4)
+    logits = torch.full((5, 8), -1.0)
+    best = {0: 1, 1: 3, 2: 5, 3: 7, 4: 0}  # node -> target argmax
+    for node, tok in best.items():
+        logits[node, tok] = 1.0
+    assert verify_greedy(tree, logits) == ([0, 1, 3], 7)  # 4 != 7: stops after node 3, bonus 7
+
+
+# ------------------------------------------------------------------ distribution tests
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+          SamplingParams(temperature=1.3, top_p=0.85), SamplingParams(temperature=0.9, top_k=5, top_p=0.9)]
+
+
+def draw_without_replacement(q: torch.Tensor, m: int, g: torch.Generator) -> tuple[list[int], list[torch.Tensor]]:
+    """m distinct tokens drawn one by one from q; each with the distribution it was drawn from."""
+    toks, qs = [], []
+    q = q.clone()
+    for _ in range(min(m, int((q > 0).sum()))):
+        qs.append(q.clone())
+        t = int(torch.multinomial(q, 1, generator=g))
+        toks.append(t)
+        q[t] = 0
+        q = q / q.sum()
+    return toks, qs
+
+
+def build(shape: str, p_draft: torch.Tensor, g: torch.Generator, lie: bool = False) -> DraftTree:
+    """A draft tree over the root whose first-level children follow `shape`; node n's draft distribution is
+    p_draft[n]. lie=True records a q different from the distribution the token was really drawn from."""
+    tree = DraftTree.root(0)
+    if shape == "chain":  # depth 2, sampled
+        q = p_draft[0]
+        t = int(torch.multinomial(q, 1, generator=g))
+        n1 = tree.add(0, t, torch.full_like(q, 1 / V) if lie else q)
+        q2 = p_draft[1]
+        tree.add(n1, int(torch.multinomial(q2, 1, generator=g)), q2)
+    elif shape == "siblings":  # 3 children drawn without replacement, one grandchild
+        toks, qs = draw_without_replacement(p_draft[0], 3, g)
+        for t, q in zip(toks, qs):
+            tree.add(0, t, q.roll(1) if lie else q)
+        tree.add(1, int(torch.multinomial(p_draft[1], 1, generator=g)), p_draft[1])
+    elif shape == "topk":  # deterministic: the draft's top-3 tokens, q one-hot (None)
+        for t in p_draft[0].topk(3).indices.tolist():
+            tree.add(0, t)
+        tree.add(1, int(p_draft[1].argmax()))
+    return tree
+
+
+def node_of(tree: DraftTree, parent: int, token: int) -> int | None:
+    return next((c for c in tree.children()[parent] if tree.tokens[c] == token), None)
+
+
+def run_trials(shape: str, params: SamplingParams, seed: int, lie: bool = False) -> float:
+    """p-value of the chi-square test of the first emitted token (x1) and, where x1 landed in the tree, the
+    second one (x2), against the target's own sequential distribution."""
+    g = torch.Generator().manual_seed(seed)
+    logits_root = torch.randn(V, generator=g) * 1.5
+    logits_child = torch.randn(V, V, generator=g) * 1.5  # target logits after first token t: logits_child[t]
+    p_root = warp(logits_root[None], params)[0]
+    p_child = warp(logits_child, params)  # [V, V]
+    draft_logits = torch.randn(2, V, generator=g) * 1.5 + 0.5 * torch.stack([logits_root, logits_root])
+    p_draft = warp(draft_logits, params)  # [2, V]
+    counts: dict[tuple, int] = {}
+    for _ in range(DRAWS):
+        tree = build(shape, p_draft, g, lie)
+        probs = torch.empty(len(tree), V)
+        probs[0] = p_root
+        for n in range(1, len(tree)):
+            depth1 = tree.path_to(n)[1]
+            probs[n] = p_child[tree.tokens[depth1]] if n == depth1 else p_root  # deeper nodes: any valid dist
+        path, bonus = verify_sampling(tree, probs, g)
+        emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
+        x1 = emitted[0]
+        key = (x1, emitted[1]) if len(emitted) > 1 else (x1, None)
+        if len(emitted) > 1 and node_of(tree, 0, x1) is None:
+            raise AssertionError("a second token after a token that is not a tree node")
+        counts[key] = counts.get(key, 0) + 1
+    # expected: x1 ~ p_root; if x1 was accepted as a node, x2 ~ p_child[x1]. Whether x1 lands in the tree is
+    # random, so test the marginal of x1 and, separately, x2 given x1 over the draws where x2 exists.
+    obs_x1 = torch.zeros(V)
+    for (x1, _), c in counts.items():
+        obs_x1[x1] += c
+    cells_obs, cells_exp = list(obs_x1[p_root > 0].tolist()), list((p_root[p_root > 0] * DRAWS).tolist())
+    for x1 in range(V):
+        row = torch.zeros(V)
+        for (a, b), c in counts.items():
+            if a == x1 and b is not None:
+                row[b] += c
+        n = row.sum()
+        if n >= 200:
+            support = p_child[x1] > 0
+            cells_obs += row[support].tolist()
+            cells_exp += (p_child[x1][support] * n).tolist()
+            assert row[~support].sum() == 0, "a token outside the target's support was emitted"
+    # x1 cells sum to DRAWS and each x2 row to its own n: test the two parts on a common scale
+    n1 = int(sum(cells_obs[:int((p_root > 0).sum())]))
+    assert n1 == DRAWS
+    return chi2_p(cells_obs, cells_exp)
+
+
+@pytest.mark.parametrize("shape", ["chain", "siblings", "topk"])
+@pytest.mark.parametrize("pi", range(len(PARAMS)))
+def test_sampling_matches_target_distribution(shape, pi):
+    assert run_trials(shape, PARAMS[pi], seed=100 + pi) > 0.001
+
+
+@pytest.mark.parametrize("shape", ["chain", "siblings"])
+def test_wrong_q_is_detected(shape):
+    assert run_trials(shape, PARAMS[0], seed=7, lie=True) < 0.001
+
+
+def test_engine_sampling_follows_the_target():
+    """End to end through the engine's sd and tree policies: the first two emitted tokens of many seeded runs
+    (the second is the first drafted one) follow the target's own joint distribution, computed exactly."""
+    e = tiny_engine("llama", 0, vocab=12, layers=2)
+    prompt = [5, 6, 7, 5, 6]
+    params = SamplingParams(temperature=1.0, top_k=6)
+    with torch.inference_mode():
+        p1 = warp(e.hf_model(torch.tensor([prompt])).logits[0, -1:], params)[0]  # [V]
+        seqs = torch.tensor([prompt + [t] for t in range(12)])
+        p2 = warp(e.hf_model(seqs).logits[:, -1], params)  # [V, V]: second token given the first
+    joint = (p1[:, None] * p2).flatten()  # [V * V]
+    n = 2000
+    for method in ("sd", "tree"):
+        obs = torch.zeros(12 * 12)
+        for s in range(n):
+            r = e.generate_ids(prompt, Request(max_new_tokens=2, sampling=params, seed=s, method=method,
+                                               level="int8"))
+            obs[r.token_ids[0] * 12 + r.token_ids[1]] += 1
+        assert obs[joint == 0].sum() == 0
+        big = joint * n >= 5  # chi-square cells; the rare ones are pooled into one
+        o = obs[big].tolist() + [float(obs[~big].sum())]
+        x = (joint[big] * n).tolist() + [float(joint[~big].sum() * n)]
+        assert chi2_p(o, x) > 0.001, method

@@ -75,6 +75,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(dtype)
 
 
+def _onednn_linear_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN = _onednn_linear_available()
+
+
+def dense_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """x [T, in] @ w [out, in]^T (+ b) -> [T, out].
+
+    On CPU in float32, oneDNN's inner product (the op torch.compile's CPU backend emits) reads the plain
+    row-major weight about 1.5-2x faster than the default BLAS path for the few-token products of decoding
+    and verification (measured here: SmolLM2-135M step 54 -> ~30 ms); elsewhere it is F.linear.
+    """
+    if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -182,7 +204,7 @@ class Transformer:
         if logits_rows is not None:
             x = x[logits_rows]
         h = rms_norm(x, self.norm, s.norm_eps)  # [N, D]
-        logits = plan.head(h) if plan.head is not None else F.linear(h, self.lm_head)
+        logits = plan.head(h) if plan.head is not None else dense_linear(h, self.lm_head)
         return logits.float()  # [N, V]
 
     def _attn_mask(self, length: int, start: int, T: int, scratch_mask: Tensor | None,
@@ -207,7 +229,7 @@ class Transformer:
         if fn is not None:
             y = fn(x)
             return y if b is None else y + b
-        return F.linear(x, w, b)
+        return dense_linear(x, w, b)
 
     def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, start: int, end: int,
                    cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool, plan: Plan) -> Tensor:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CasspecError
-from .model import Transformer
+from .model import Transformer, dense_linear
 from .plan import MlpFn, Plan
 
 with warnings.catch_warnings():  # torch warns once per process that CSR tensors are beta: have it happen here
@@ -114,7 +114,7 @@ class CatsMlp:
         self.threshold = threshold  # scalar or [I]
 
     def __call__(self, x: Tensor) -> Tensor:
-        a = F.silu(F.linear(x, self.w_gate))  # [T, I]
+        a = F.silu(dense_linear(x, self.w_gate))  # [T, I]
         keep = a.abs() > self.threshold  # [T, I]
         tok, col = keep.nonzero(as_tuple=True)  # [n] kept (token, entry) pairs, by token
         crow = _row_starts(keep, tok)  # [T + 1]
@@ -203,11 +203,11 @@ class MlpRecorder:
         lw = self.model.layers[i]
 
         def mlp(x: Tensor) -> Tensor:  # the ops of Transformer._mlp (this family has no MLP biases)
-            a = F.silu(F.linear(x, lw.w_gate))  # [T, I]
-            up = F.linear(x, lw.w_up)  # [T, I]
+            a = F.silu(dense_linear(x, lw.w_gate))  # [T, I]
+            up = dense_linear(x, lw.w_up)  # [T, I]
             h = a * up  # [T, I]
             self._record(i, x, a, up, h)
-            return F.linear(h, lw.w_down)  # [T, D]
+            return dense_linear(h, lw.w_down)  # [T, D]
 
         return mlp
 

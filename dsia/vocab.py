@@ -19,7 +19,7 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class VocabConfig:
-    frequent: int = 4096  # the lowest token ids, always in the subset
+    frequent: int = 8192  # the lowest token ids, always in the subset
     capacity: int = 16384  # most tokens the subset can hold (frequent + seen); later unseen tokens are dropped
     dtype: torch.dtype = torch.bfloat16  # storage and matmul dtype of the gathered head rows
 

@@ -45,6 +45,7 @@ class Answer:
     new_tokens: list[int] = field(default_factory=list)
     wall_time: list[list[float]] = field(default_factory=list)  # per turn: one wall time per repeat
     forwards: list[int] = field(default_factory=list)  # target forwards per turn
+    stats: list[dict] = field(default_factory=list)  # per turn: the engine's stats (empty for HF methods)
 
     def speed(self) -> float:
         """New tokens / wall time over all turns, with each turn's median wall time over repeats."""
@@ -94,8 +95,9 @@ def parse_methods(spec: str | Sequence[str]) -> list[str]:
     return [BASELINE] + list(dict.fromkeys(names))  # the baseline always runs, first
 
 
-# one turn: prompt ids -> (new token ids, target forwards)
-TurnFn = Callable[[list[int], int], tuple[list[int], int]]
+# one turn: prompt ids, max new tokens -> (new token ids, target forwards, engine stats or {})
+TurnFn = Callable[[list[int], int], tuple[list[int], int, dict]]
+STAT_SUMS = ("prefill_seconds", "draft_seconds", "verify_seconds", "draft_forwards", "tree_nodes")
 
 
 def _hf_runner(engine: Engine, kwargs: dict) -> TurnFn:
@@ -105,13 +107,13 @@ def _hf_runner(engine: Engine, kwargs: dict) -> TurnFn:
     eos = sorted(engine.eos_ids)
 
     @torch.inference_mode()
-    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
+    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int, dict]:
         x = torch.tensor([ids], device=engine.device)
         calls[0] = 0
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                              do_sample=False, temperature=None, top_p=None, top_k=None,
                              eos_token_id=eos, pad_token_id=eos[0], **kwargs)
-        return out[0, len(ids):].tolist(), calls[0]
+        return out[0, len(ids):].tolist(), calls[0], {}
 
     return run
 
@@ -119,9 +121,10 @@ def _hf_runner(engine: Engine, kwargs: dict) -> TurnFn:
 def _engine_runner(engine: Engine, method: str, level: str) -> TurnFn:
     name, _, own_level = method.partition(":")
 
-    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
+    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int, dict]:
         res = engine.generate_ids(ids, Request(max_new_tokens=max_new_tokens, method=name, level=own_level or level))
-        return res.token_ids, res.stats.target_forwards
+        st = res.stats
+        return res.token_ids, st.target_forwards, {k: getattr(st, k) for k in STAT_SUMS + ("accepted_by_depth",)}
 
     return run
 
@@ -142,7 +145,7 @@ def run_question(engine: Engine, run: TurnFn, q: Question, max_new_tokens: int, 
         messages.append({"role": "user", "content": turn})
         ids = engine.encode(messages)
         t0 = time.perf_counter()
-        new, forwards = run(ids, max_new_tokens)
+        new, forwards, stats = run(ids, max_new_tokens)
         dt = time.perf_counter() - t0
         text = engine.decode(new)
         messages.append({"role": "assistant", "content": text})
@@ -151,6 +154,7 @@ def run_question(engine: Engine, run: TurnFn, q: Question, max_new_tokens: int, 
             answer.token_ids.append(new)
             answer.new_tokens.append(len(new))
             answer.forwards.append(forwards)
+            answer.stats.append(stats)
             answer.wall_time.append([dt])
         else:
             if new != answer.token_ids[i]:
@@ -187,16 +191,35 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
             "new_tokens": tokens,
             "target_forwards": forwards,
         }
+        methods[name].update(_engine_stats(ans))
     return {"model": engine.name, "device": str(engine.device), "dtype": dtype, "max_new_tokens": max_new_tokens,
             "baseline": BASELINE, "methods": methods}
 
 
+def _engine_stats(ans: list[Answer]) -> dict:
+    """Draft / verify time split and acceptance by depth, summed over every turn (engine methods only).
+
+    acceptance_by_depth[d] = fraction of verification steps whose accepted path reached depth d + 1."""
+    turns = [st for a in ans for st in a.stats if st]
+    if not turns:
+        return {}
+    out = {k: sum(st[k] for st in turns) for k in STAT_SUMS}
+    steps = sum(f - 1 for a in ans for f in a.forwards)  # verification forwards (the prefill excluded)
+    depth = max((len(st["accepted_by_depth"]) for st in turns), default=0)
+    reached = [sum(st["accepted_by_depth"][d] for st in turns if d < len(st["accepted_by_depth"]))
+               for d in range(depth)]
+    out["acceptance_by_depth"] = [r / steps for r in reached] if steps else []
+    out["mean_tree_nodes"] = out["tree_nodes"] / steps if steps else 0.0
+    return out
+
+
 def format_table(summary: dict) -> str:
-    rows = [("method", "tokens/s", "speedup", "MAT", "identical", "questions")]
+    rows = [("method", "tokens/s", "speedup", "MAT", "identical", "questions", "draft s / verify s")]
     for name, m in summary["methods"].items():
         ident = "-" if m["identical_to_baseline"] is None else str(m["identical_to_baseline"]).lower()
+        split = f"{m['draft_seconds']:.1f} / {m['verify_seconds']:.1f}" if "draft_seconds" in m else "-"
         rows.append((name, f"{m['tokens_per_s']:.2f}", f"{m['speedup']:.3f}", f"{m['mean_accepted_tokens']:.2f}",
-                     ident, str(m["questions"])))
+                     ident, str(m["questions"]), split))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

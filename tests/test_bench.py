@@ -14,8 +14,8 @@ def test_bench_on_tiny_model(tmp_path):
     questions = read_questions(qfile, limit=3)
     assert [q.question_id for q in questions] == [1, 2, 3]
     assert len(read_questions(qfile, limit=1)) == 1
-    methods = parse_methods("ar,hf-pld")
-    assert methods == [BASELINE, "ar", "hf-pld"]
+    methods = parse_methods("ar,hf-pld,sd:int8")
+    assert methods == [BASELINE, "ar", "hf-pld", "sd:int8"]
     engine = tiny_engine("llama", 0)
     summary = run_bench(engine, questions, methods, 12, tmp_path / "out", "float32", repeats=2, progress=False)
     assert set(summary) >= {"model", "device", "dtype", "max_new_tokens", "baseline", "methods"}
@@ -29,6 +29,10 @@ def test_bench_on_tiny_model(tmp_path):
     assert summary["methods"][BASELINE]["speedup"] == 1.0
     assert summary["methods"]["ar"]["mean_accepted_tokens"] == 1.0
     assert summary["methods"][BASELINE]["mean_accepted_tokens"] == 1.0
+    sd = summary["methods"]["sd:int8"]
+    assert sd["draft_forwards"] > 0 and sd["verify_seconds"] > 0 and "draft_seconds" in sd
+    assert all(0 <= a <= 1 for a in sd["acceptance_by_depth"])
+    assert sd["acceptance_by_depth"] == sorted(sd["acceptance_by_depth"], reverse=True)  # reaching d+1 needs d
     on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert on_disk["methods"].keys() == summary["methods"].keys()
     lines = (tmp_path / "out" / "answers-ar.jsonl").read_text().splitlines()

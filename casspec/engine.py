@@ -160,19 +160,24 @@ class Engine:
         concatenate to the final text; the Result is then available as `engine.last_result`)."""
         req = Request(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                       stop=tuple(stop or ()), seed=seed, method=method, level=level)
-        ids = self.encode(prompt, chat)
-        if len(ids) >= self.cache.capacity:
-            raise CasspecError(f"the prompt has {len(ids)} tokens but the context window holds {self.cache.capacity}:"
-                               " shorten the prompt")
+        ids = self._checked(self.encode(prompt, chat))
         if stream:
             return self._stream(ids, req)
         return self.generate_ids(ids, req)
 
     def generate_ids(self, prompt_ids: Sequence[int], req: Request) -> Result:
         """Generate from token ids (the bench and tests use this to skip templating)."""
-        for _ in self._stream(list(prompt_ids), req):
+        for _ in self._stream(self._checked(list(prompt_ids)), req):
             pass
         return self.last_result
+
+    def _checked(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise CasspecError("the prompt is empty: pass some text")
+        if len(ids) >= self.cache.capacity:
+            raise CasspecError(f"the prompt has {len(ids)} tokens but the context window holds {self.cache.capacity}:"
+                               " shorten the prompt")
+        return ids
 
     # ------------------------------------------------------------------ text and stops
     def _stream(self, prompt_ids: list[int], req: Request) -> Iterator[str]:

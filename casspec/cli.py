@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     lv.add_argument("--json", action="store_true", help="print the JSON report")
     lv.add_argument("--no-progress", action="store_true")
     _common(lv)
+
+    pr = sub.add_parser("profile", help="latency of the target and draft levels over a grid, and its predictor")
+    pr.add_argument("--levels", default=None, help="comma-separated level names (default: a standard set)")
+    pr.add_argument("--quick", action="store_true", help="a reduced grid (under a minute)")
+    pr.add_argument("--out", required=True, help="profile JSON to write, e.g. profiles/NAME.json")
+    pr.add_argument("--plot", action="store_true", help="also write a PNG beside the JSON")
+    pr.add_argument("--no-progress", action="store_true")
+    _common(pr)
     return parser
 
 
@@ -122,7 +130,20 @@ def cmd_levels(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "levels": cmd_levels}
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .profile import check_out, config_for, format_profile, profile, write_profile
+
+    cfg = config_for(args.quick, args.levels)
+    check_out(args.out)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    prof = profile(engine, cfg, progress=not args.no_progress)
+    print(format_profile(prof))
+    print(f"wrote {', '.join(map(str, write_profile(prof, args.out, args.plot)))}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "levels": cmd_levels, "profile": cmd_profile}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

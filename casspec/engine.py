@@ -6,6 +6,7 @@ draft tokens plus the target's own next token (the bonus token), which becomes t
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -16,6 +17,8 @@ from dsia.errors import CasspecError
 from dsia.kvcache import KVCache
 from dsia.levels import LevelConfig, LevelRegistry
 from dsia.model import Transformer
+from dytc.latency import TARGET as TARGET_LEVEL
+from dytc.latency import FeatureSpec, LatencyModel, machine_info, select_profile
 from dytc.policies import ChainPolicy, DraftContext, PldPolicy, Policy, TreePolicy
 from dytc.sampling import SamplingParams, sample, warp
 from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
@@ -60,6 +63,8 @@ class Stats:
     draft_forwards: int = 0  # draft-level forwards (0 for ar and pld)
     tree_nodes: int = 0  # draft nodes verified, over all steps (root excluded)
     finish_reason: str = ""  # eos | stop | length | context
+    latency: str = ""  # where the latency predictor comes from (a profile, or online fitting)
+    predicted_verify_seconds: float = 0.0  # what the predictor expected the verification forwards to take
     accepted_by_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d+1
 
     @property
@@ -80,7 +85,9 @@ class Stats:
         return (f"[{self.method}] {self.new_tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_s:.1f} tok/s); "
                 f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f}s; "
                 f"{self.target_forwards} target forwards, mean accepted {self.mean_accepted_tokens:.2f}; "
-                f"draft {self.draft_seconds:.2f}s, verify {self.verify_seconds:.2f}s; finish: {self.finish_reason}")
+                f"draft {self.draft_seconds:.2f}s, verify {self.verify_seconds:.2f}s "
+                f"(predicted {self.predicted_verify_seconds:.2f}s); finish: {self.finish_reason}; "
+                f"latency: {self.latency}")
 
 
 @dataclass
@@ -101,6 +108,7 @@ class Engine:
         self.cache: KVCache = self.model.new_cache(max_context)
         self.eos_ids = self._eos_ids()
         self.levels = LevelRegistry(self.model)  # draft levels, built on first use and reused
+        self.latency, self.latency_source = self._latency_model()
         self.last_result: Result | None = None  # the Result of the latest generation (also when streamed)
 
     @classmethod
@@ -116,6 +124,19 @@ class Engine:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    def _latency_model(self) -> tuple[LatencyModel, str]:
+        """The predictor of the profile measured on this machine for this model and dtype; without one, an
+        empty model that learns online from this engine's own timings."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        path = select_profile(machine_info(self.device.type), self.name, dtype)
+        if path is not None:
+            return LatencyModel.from_json(json.loads(path.read_text())["predictor"]), f"profile {path.name}"
+        s = self.model.spec
+        elem = self.model.embed.element_size()
+        spec = FeatureSpec.for_model(self.model.weight_bytes() // elem, s.n_layers, s.n_heads, s.n_kv_heads,
+                                     s.head_dim, elem)
+        return LatencyModel(spec), "no profile for this machine, model and dtype: fitting online from own timings"
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -181,7 +202,7 @@ class Engine:
 
     # ------------------------------------------------------------------ text and stops
     def _stream(self, prompt_ids: list[int], req: Request) -> Iterator[str]:
-        stats = Stats(method=req.method, prompt_tokens=len(prompt_ids))
+        stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source)
         out: list[int] = []
         hold = max((len(s) for s in req.stop), default=1) - 1  # chars a stop string could still claim
         sent = 0
@@ -265,10 +286,17 @@ class Engine:
             tree = policy.draft(ctx)  # draft
             stats.draft_seconds += time.perf_counter() - t
             t = time.perf_counter()
+            chain = is_chain(tree.parents)
+            if self.latency.known(TARGET_LEVEL):
+                stats.predicted_verify_seconds += self.latency.predict_ms(TARGET_LEVEL, len(tree), cache.length,
+                                                                          not chain)[0] / 1e3
             logits = self._verify_forward(tree)  # verify: one target forward over the whole tree
+            verify_ms = (time.perf_counter() - t) * 1e3
+            context = cache.length
             path, bonus = self._accept(tree, logits, req.sampling, generator)  # accept
             cache.commit(path)  # update: the accepted path's KV joins the committed prefix
             stats.verify_seconds += time.perf_counter() - t
+            self.latency.observe(TARGET_LEVEL, len(tree), context, verify_ms, not chain)
             emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
             ctx.history.extend(emitted)
             ctx.budget -= len(emitted)

@@ -121,3 +121,13 @@ def test_warp_topk_topp_and_greedy():
     assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     hot = warp(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(hot[0], torch.softmax(logits[0] / 0.5, -1))
+
+
+def test_engine_without_profile_fits_latency_online():
+    e = tiny_engine("llama", 0)
+    assert "fitting online" in e.latency_source
+    res = e.generate("w5 w6 w7", max_new_tokens=12)
+    assert "fitting online" in res.stats.summary()
+    assert e.latency.known("target")  # learned from its own verification timings
+    mean, std = e.latency.predict_ms("target", 1, 10)
+    assert mean > 0 and std >= 0

@@ -1,0 +1,236 @@
+"""`casspec profile`: median latency of the target's and each level's forward over a grid, and its predictor.
+
+Grid: tokens in the forward (chain: causal mask; tree: a binary tree's ancestor mask) x context length x level.
+At each context C the target prefills C random tokens (committed), each level calibrates once (`begin`), then
+every forward writes T tokens to scratch at slot C and is never committed. Each point is the median of
+`repeats` timed calls after `warmup` untimed ones (synchronising on cuda). The predictor (dytc.latency) is fitted
+on the points not held out; `heldout_mape` is its error on the held-out ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dsia.errors import CasspecError
+from dsia.levels import LevelConfig
+from dytc.latency import (PROFILE_VERSION, TARGET, FeatureSpec, LatencyModel, Point, heldout_mape, machine_info,
+                          split_heldout)
+from dytc.tree import ancestor_mask, position_ids
+
+from .engine import Engine
+
+DEFAULT_LEVELS = ("int8", "int4", "skip0.4", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # T per forward
+    contexts: tuple[int, ...] = (128, 512, 1536, 4096)  # committed tokens C (capped by the window)
+    levels: tuple[str, ...] = DEFAULT_LEVELS  # draft levels profiled besides the target
+    shapes: tuple[str, ...] = ("chain", "tree")  # attention masks of the T tokens
+    repeats: int = 5  # timed calls per point (the median is kept)
+    warmup: int = 1  # untimed calls per point first
+    heldout: float = 0.2  # fraction of each level's points left out of the fit
+    seed: int = 0  # prefill tokens and the held-out split
+
+
+# the --quick grid: 40 points (~70 s for SmolLM2-135M float32 on a busy 2-core CPU, ~15 s on a quiet one)
+QUICK = ProfileConfig(tokens=(1, 2, 4, 16, 64), contexts=(128, 512), levels=("int4",), repeats=3, warmup=1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tree_parents(n: int) -> list[int]:
+    """A binary tree in node order: node i's parent is (i - 1) // 2."""
+    return [-1] + [(i - 1) // 2 for i in range(1, n)]
+
+
+def _time_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _contexts(engine: Engine, cfg: ProfileConfig) -> list[int]:
+    room = engine.cache.capacity - max(cfg.tokens) - 1  # the longest forward must fit in the window
+    ctx = sorted({min(c, room) for c in cfg.contexts if c >= 1})
+    return [c for c in ctx if c >= 1]
+
+
+def _prefill(engine: Engine, ids: list[int]) -> None:
+    model, cache = engine.model, engine.cache
+    cache.rollback(0)
+    n = len(ids)
+    model.forward(cache, torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device), 0,
+                  logits_rows=slice(n - 1, n))
+    cache.commit(list(range(n)))
+
+
+@torch.inference_mode()
+def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> list[Point]:
+    """Time every (level, shape, T, C) point of the grid; the target is level TARGET."""
+    for name in cfg.levels:
+        LevelConfig.parse(name)
+    levels = [engine.levels.get(n) for n in cfg.levels]  # builds quantized copies once
+    model, cache, dev = engine.model, engine.cache, engine.device
+    contexts = _contexts(engine, cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    ids = torch.randint(3, model.spec.vocab_size, (max(contexts) + 1,), generator=gen).tolist()
+    total = len(contexts) * (len(levels) + 1) * len(cfg.shapes) * len(cfg.tokens)
+    bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, file=sys.stderr)
+    points: list[Point] = []
+    for C in contexts:
+        _prefill(engine, ids[:C])
+        for name, level in [(TARGET, None)] + list(zip(cfg.levels, levels)):
+            if level is not None:
+                level.begin(model, cache, ids[:C + 1])
+                name = level.name
+            for shape in cfg.shapes:
+                for T in cfg.tokens:
+                    tree = shape == "tree"
+                    parents = _tree_parents(T) if tree else list(range(-1, T - 1))
+                    tok = torch.tensor(ids[C - T:C] if T <= C else ids[:T], device=dev)  # [T]
+                    pos = position_ids(parents, C, dev)  # [T]
+                    mask = ancestor_mask(parents, dev) if tree else None  # [T, T]
+                    if level is None:
+                        def fn(tok=tok, pos=pos, mask=mask):
+                            return model.forward(cache, tok, pos, C, mask)
+                    else:
+                        def fn(tok=tok, pos=pos, mask=mask, level=level):
+                            return level.forward(model, cache, tok, pos, C, mask)
+                    ms = _time_ms(fn, dev, cfg.repeats, cfg.warmup)
+                    points.append(Point(name, T, C, tree, ms))
+                    bar.update(1)
+    bar.close()
+    cache.rollback(0)
+    return points
+
+
+def feature_spec(engine: Engine) -> FeatureSpec:
+    s = engine.model.spec
+    n_params = sum(p.numel() for p in engine.hf_model.parameters())
+    return FeatureSpec.for_model(n_params, s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim,
+                                 torch.finfo(engine.dtype).bits // 8)
+
+
+def profile(engine: Engine, cfg: ProfileConfig = ProfileConfig(), progress: bool = True) -> dict:
+    """Measure the grid, fit the predictor on the kept points and score it on the held-out ones."""
+    device = engine.device
+    points = measure_grid(engine, cfg, progress)
+    train, held = split_heldout(points, cfg.heldout, cfg.seed)
+    predictor = LatencyModel.fit(feature_spec(engine), train, weight_bytes={TARGET: engine.model.weight_bytes()})
+    heldset = set(held)
+    return {
+        "version": PROFILE_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(str(device)),
+        "model": engine.name,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": device.type,
+        "config": asdict(cfg),
+        "grid": [dict(asdict(p), heldout=p in heldset) for p in points],
+        "predictor": predictor.to_json(),
+        "heldout_mape": heldout_mape(predictor, held),
+    }
+
+
+def plot_profile(prof: dict, path: str | Path, n_contexts: int = 3) -> None:
+    """Latency vs tokens per level (chain mask) at a few context lengths: measurements and the fit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model = LatencyModel.from_json(prof["predictor"])
+    grid = [p for p in prof["grid"] if not p["tree"]]
+    levels = list(dict.fromkeys(p["level"] for p in grid))
+    contexts = sorted({p["context"] for p in grid})
+    picked = sorted({contexts[round(i * (len(contexts) - 1) / max(n_contexts - 1, 1))] for i in range(n_contexts)})
+    cols = min(3, len(levels))
+    rows = -(-len(levels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
+    for ax, level in zip(axes.flat, levels):
+        for C in picked:
+            pts = sorted((p["tokens"], p["ms"]) for p in grid if p["level"] == level and p["context"] == C)
+            line = ax.plot([t for t, _ in pts], [m for _, m in pts], "o", ms=4, label=f"C={C}")[0]
+            ts = list(range(1, max(t for t, _ in pts) + 1))
+            pred = [model.predict_ms(level, t, C) for t in ts]
+            mean = [m for m, _ in pred]
+            ax.plot(ts, mean, "-", color=line.get_color())
+            ax.fill_between(ts, [m - s for m, s in pred], [m + s for m, s in pred], color=line.get_color(), alpha=0.15)
+        ax.set_title(f"{level} (MAPE {prof['heldout_mape'].get(level, float('nan')):.1%})")
+        ax.set_xlabel("tokens in the forward")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(levels):]:
+        ax.axis("off")
+    fig.suptitle(f"{prof['model']} {prof['dtype']} on {prof['machine']['gpu'] or prof['machine']['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def check_out(out: str | Path) -> Path:
+    """Fail before any measuring when the profile cannot be written there."""
+    out = Path(out)
+    if out.suffix != ".json":
+        raise CasspecError(f"--out must name a .json file (got {str(out)!r})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CasspecError(f"cannot create the folder of {str(out)!r}: {e.strerror}") from None
+    if out.is_dir() or not os.access(out.parent, os.W_OK):
+        raise CasspecError(f"cannot write {str(out)!r}")
+    return out
+
+
+def write_profile(prof: dict, out: str | Path, plot: bool = False) -> list[Path]:
+    """Write the profile JSON (and with plot, a PNG beside it); returns the paths written."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1))
+    written = [out]
+    if plot:
+        png = out.with_suffix(".png")
+        plot_profile(prof, png)
+        written.append(png)
+    return written
+
+
+def config_for(quick: bool, levels: str | None) -> ProfileConfig:
+    """The grid of the command line: full or quick, with the given comma-separated levels."""
+    cfg = QUICK if quick else ProfileConfig()
+    if levels is not None:
+        names = tuple(n.strip() for n in levels.split(",") if n.strip())
+        for n in names:
+            LevelConfig.parse(n)  # a clear error before any work
+        cfg = replace(cfg, levels=names)
+    return cfg
+
+
+def format_profile(prof: dict) -> str:
+    lines = ["| level | held-out MAPE | 1-token ms at min context |", "|---|---|---|"]
+    model = LatencyModel.from_json(prof["predictor"])
+    c0 = min(p["context"] for p in prof["grid"])
+    for level, mape in prof["heldout_mape"].items():
+        lines.append(f"| {level} | {mape:.1%} | {model.predict_ms(level, 1, c0)[0]:.2f} |")
+    return "\n".join(lines)

@@ -1,0 +1,279 @@
+"""Latency predictor: milliseconds of one forward of a level (or the target) over T tokens at context C.
+
+One Bayesian linear regression per level on roofline-style features of (T, C):
+- a per-call term (the intercept): launch / dispatch overhead plus reading the level's weights once, which is
+  constant for a level, so one intercept per level carries both (the profiler records the target's weight bytes);
+- T x FLOPs per token (compute of the projections), C x KV bytes per token (KV read), T x C (attention work);
+- piecewise-linear hinges max(0, T - k) at knots k = 1, 2, 3, 4, 6, 8, ... 48 and a tree-mask term, so that
+  non-monotone shapes (on a float32 CPU a forward over 2-4 tokens can cost more than over 8) are captured, and a
+  knot the grid never reached (its weight stays at the prior's 0) just continues the line (no jump).
+The prior hyperparameters (noise and weight precisions) come from scikit-learn's `BayesianRidge` (evidence
+maximisation) on standardised features; the posterior (precision matrix P, vector b: mean = P^-1 b) is kept
+explicitly, so it serialises as plain JSON and refines online by a recursive Bayesian update with exponential
+forgetting (`observe`). Prediction: mean = z . m, variance = 1/alpha + z^T P^-1 z.
+
+Profiles (JSON files written by `casspec profile`) are matched to the machine, model and dtype by
+`select_profile`; a profile measured elsewhere is never used silently.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+TARGET = "target"  # the level name under which the target's own forward is profiled
+KNOTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # token counts where the latency's slope in T may change
+DEFAULT_PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # the repo's profiles/ folder
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Model constants that put the features in roofline units (defaults: SmolLM2-135M-ish)."""
+    gflop_per_token: float = 0.27  # 2 x parameters of the target, in GFLOP
+    kv_mb_per_token: float = 0.0922  # K + V bytes of one context token over all layers, in MB
+    attn_mflop_per_pair: float = 0.0442  # attention FLOPs per (new token, context token) pair, in MFLOP
+
+    @staticmethod
+    def for_model(n_params: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                  elem_bytes: int) -> "FeatureSpec":
+        return FeatureSpec(gflop_per_token=2 * n_params / 1e9,
+                           kv_mb_per_token=2 * n_layers * n_kv_heads * head_dim * elem_bytes / 1e6,
+                           attn_mflop_per_pair=4 * n_layers * n_heads * head_dim / 1e6)
+
+    def names(self) -> list[str]:
+        return (["tokens_x_gflop", "context_x_kv_mb", "tokens_x_context_x_attn_mflop", "tree_x_tokens"]
+                + [f"tokens_above_{k}" for k in KNOTS])
+
+    def features(self, tokens: int, context: int, tree: bool = False) -> np.ndarray:
+        """[F] raw features of one forward (the intercept is added after scaling)."""
+        hinges = [max(0.0, float(tokens - k)) for k in KNOTS]
+        roof = [tokens * self.gflop_per_token, context * self.kv_mb_per_token,
+                tokens * context * self.attn_mflop_per_pair, float(tree) * tokens]
+        return np.array(roof + hinges, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Point:
+    level: str  # level name, or TARGET
+    tokens: int  # T, tokens in the forward
+    context: int  # C, committed tokens before them
+    tree: bool  # tree mask (True) or chain (False)
+    ms: float  # median milliseconds measured
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    forget: float = 0.99  # per observation, the data part of the posterior is scaled by this (1 = no forgetting)
+    prior_alpha: float = 1.0  # noise precision (1/ms^2) of a level with no profile
+    prior_lambda: float = 1e-3  # weight precision of a level with no profile
+    intercept_precision: float = 1e-6  # prior precision of the intercept (nearly flat)
+
+
+@dataclass
+class LevelFit:
+    """Gaussian posterior over the weights of one level, in standardised feature space."""
+    mu: list[float]  # [F] feature means
+    sd: list[float]  # [F] feature scales
+    alpha: float  # noise precision, 1/ms^2
+    prior: list[float]  # [F+1] prior precision diagonal (intercept first)
+    P: list[list[float]]  # [F+1, F+1] posterior precision
+    b: list[float]  # [F+1] posterior mean = P^-1 b
+    n: int = 0  # observations absorbed (profile points + online)
+    weight_bytes: int | None = None  # bytes of weights the level reads per forward, for reference
+
+    def design(self, x: np.ndarray) -> np.ndarray:
+        """raw features [N, F] -> [N, F+1] standardised, with the intercept column first."""
+        z = (x - np.asarray(self.mu)) / np.asarray(self.sd)
+        return np.concatenate([np.ones((z.shape[0], 1)), z], axis=1)
+
+    def mean_weights(self) -> np.ndarray:
+        return np.linalg.solve(np.asarray(self.P), np.asarray(self.b))
+
+    def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """raw features [N, F] -> (mean ms [N], std ms [N])."""
+        z = self.design(x)
+        P = np.asarray(self.P)
+        mean = z @ np.linalg.solve(P, np.asarray(self.b))
+        var = 1.0 / self.alpha + np.einsum("nf,fn->n", z, np.linalg.solve(P, z.T))
+        return mean, np.sqrt(np.maximum(var, 0.0))
+
+    def update(self, x: np.ndarray, ms: float, forget: float) -> None:
+        """Recursive Bayesian update with one observation; older data decays by `forget`."""
+        z = self.design(x[None])[0]
+        prior = np.diag(self.prior)
+        P = prior + forget * (np.asarray(self.P) - prior) + self.alpha * np.outer(z, z)
+        b = forget * np.asarray(self.b) + self.alpha * ms * z
+        self.P, self.b, self.n = P.tolist(), b.tolist(), self.n + 1
+
+
+def fit_level(spec: FeatureSpec, points: list[Point], cfg: OnlineConfig = OnlineConfig()) -> LevelFit:
+    """Fit one level: BayesianRidge picks the precisions, then the explicit posterior is formed."""
+    from sklearn.linear_model import BayesianRidge
+
+    x = np.stack([spec.features(p.tokens, p.context, p.tree) for p in points])  # [N, F]
+    y = np.array([p.ms for p in points])  # [N]
+    mu = x.mean(0)
+    sd = x.std(0)
+    sd[sd < 1e-12] = 1.0  # constant columns stay as they are
+    # start the evidence maximisation from "mostly signal": from sklearn's default start (noise = var(y)) it can
+    # settle on an all-noise optimum that flattens the hinges
+    br = BayesianRidge(fit_intercept=True, max_iter=1000, alpha_init=100.0 / max(float(np.var(y)), 1e-12),
+                       lambda_init=1e-3).fit((x - mu) / sd, y)
+    prior = [cfg.intercept_precision] + [float(br.lambda_)] * x.shape[1]
+    fit = LevelFit(mu=mu.tolist(), sd=sd.tolist(), alpha=float(br.alpha_), prior=prior, P=np.diag(prior).tolist(),
+                   b=[0.0] * (x.shape[1] + 1))
+    z = fit.design(x)
+    fit.P = (np.diag(prior) + fit.alpha * z.T @ z).tolist()
+    fit.b = (fit.alpha * z.T @ y).tolist()
+    fit.n = len(points)
+    return fit
+
+
+def empty_level(spec: FeatureSpec, cfg: OnlineConfig = OnlineConfig()) -> LevelFit:
+    """A level with no profile: features scaled over a default grid, weak prior, learned online."""
+    grid = [spec.features(t, c, tree) for t in (1, 2, 4, 8, 16, 32, 64) for c in (128, 512, 2048)
+            for tree in (False, True)]
+    x = np.stack(grid)
+    sd = x.std(0)
+    sd[sd < 1e-12] = 1.0
+    prior = [cfg.intercept_precision] + [cfg.prior_lambda] * x.shape[1]
+    return LevelFit(mu=x.mean(0).tolist(), sd=sd.tolist(), alpha=cfg.prior_alpha, prior=prior,
+                    P=np.diag(prior).tolist(), b=[0.0] * (x.shape[1] + 1))
+
+
+@dataclass
+class LatencyModel:
+    spec: FeatureSpec
+    levels: dict[str, LevelFit] = field(default_factory=dict)
+    online: OnlineConfig = OnlineConfig()
+
+    @staticmethod
+    def fit(spec: FeatureSpec, points: list[Point], online: OnlineConfig = OnlineConfig(),
+            weight_bytes: dict[str, int] | None = None) -> "LatencyModel":
+        by_level: dict[str, list[Point]] = {}
+        for p in points:
+            by_level.setdefault(p.level, []).append(p)
+        model = LatencyModel(spec, {name: fit_level(spec, pts, online) for name, pts in by_level.items()}, online)
+        for name, nbytes in (weight_bytes or {}).items():
+            if name in model.levels:
+                model.levels[name].weight_bytes = nbytes
+        return model
+
+    def known(self, level: str) -> bool:
+        return level in self.levels and self.levels[level].n > 0
+
+    def predict_ms(self, level: str, tokens: int, context: int, tree: bool = False) -> tuple[float, float]:
+        """(mean ms, std ms) of one forward of `level` over `tokens` tokens at `context` committed tokens."""
+        if not self.known(level):
+            raise KeyError(f"no latency data for level {level!r}: profile it or observe() its timings first")
+        mean, std = self.levels[level].predict(self.spec.features(tokens, context, tree)[None])
+        return float(mean[0]), float(std[0])
+
+    def cost_ratio(self, level: str, tokens: int, context: int, tree: bool = False) -> tuple[float, float]:
+        """(ratio, std) of the level's forward vs the target's 1-token step at the same context (delta method)."""
+        lm, ls = self.predict_ms(level, tokens, context, tree)
+        tm, ts = self.predict_ms(TARGET, 1, context)
+        ratio = lm / tm
+        return ratio, abs(ratio) * math.hypot(ls / max(abs(lm), 1e-9), ts / max(abs(tm), 1e-9))
+
+    def observe(self, level: str, tokens: int, context: int, ms: float, tree: bool = False) -> None:
+        """Absorb a timing measured while decoding (a level with no profile starts from a weak prior)."""
+        if level not in self.levels:
+            self.levels[level] = empty_level(self.spec, self.online)
+        self.levels[level].update(self.spec.features(tokens, context, tree), ms, self.online.forget)
+
+    # ------------------------------------------------------------------ plain JSON
+    def to_json(self) -> dict:
+        return {"features": self.spec.names(), "spec": vars(self.spec), "online": vars(self.online),
+                "levels": {name: vars(fit) for name, fit in self.levels.items()}}
+
+    @staticmethod
+    def from_json(d: dict) -> "LatencyModel":
+        return LatencyModel(FeatureSpec(**d["spec"]), {n: LevelFit(**f) for n, f in d["levels"].items()},
+                            OnlineConfig(**d["online"]))
+
+
+# ---------------------------------------------------------------------- held-out evaluation
+def split_heldout(points: list[Point], fraction: float = 0.2, seed: int = 0) -> tuple[list[Point], list[Point]]:
+    """(train, held out): per level, a seeded random `fraction` of the points is left out of the fit."""
+    rng = random.Random(seed)
+    train: list[Point] = []
+    held: list[Point] = []
+    levels = sorted({p.level for p in points})
+    for level in levels:
+        pts = [p for p in points if p.level == level]
+        k = int(round(fraction * len(pts))) if len(pts) > 4 else 0
+        out = set(rng.sample(range(len(pts)), k))
+        for i, p in enumerate(pts):
+            (held if i in out else train).append(p)
+    return train, held
+
+
+def heldout_mape(model: LatencyModel, held: list[Point]) -> dict[str, float]:
+    """Per level: mean |predicted - measured| / measured over the held-out points."""
+    errs: dict[str, list[float]] = {}
+    for p in held:
+        mean, _ = model.predict_ms(p.level, p.tokens, p.context, p.tree)
+        errs.setdefault(p.level, []).append(abs(mean - p.ms) / p.ms)
+    return {level: float(np.mean(e)) for level, e in errs.items()}
+
+
+# ---------------------------------------------------------------------- machine and profile selection
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(device: str = "cpu") -> dict:
+    """What identifies the machine a profile was measured on (cpu and gpu are the matching keys)."""
+    import torch
+
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "gpu": gpu,
+            "torch": torch.__version__, "transformers": _version("transformers"), "platform": platform.platform()}
+
+
+def select_profile(machine: dict, model: str, dtype: str, folder: str | Path | None = None) -> Path | None:
+    """The newest profile in `folder` measured on this CPU model and GPU, for this model and dtype, else None."""
+    folder = Path(folder) if folder is not None else DEFAULT_PROFILES
+    best: tuple[str, Path] | None = None
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            prof = json.loads(path.read_text())
+            m = prof["machine"]
+            ok = (prof.get("version") == PROFILE_VERSION and m.get("cpu") == machine.get("cpu")
+                  and m.get("gpu") == machine.get("gpu") and prof["model"] == model and prof["dtype"] == dtype)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if ok and (best is None or str(prof.get("created", "")) >= best[0]):
+            best = (str(prof.get("created", "")), path)
+    return best[1] if best else None
+
+
+def load_predictor(machine: dict, model: str, dtype: str, folder: str | Path | None = None) -> LatencyModel | None:
+    """The predictor of the matching profile, or None (the caller then learns online from its own timings)."""
+    path = select_profile(machine, model, dtype, folder)
+    if path is None:
+        return None
+    return LatencyModel.from_json(json.loads(path.read_text())["predictor"])

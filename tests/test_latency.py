@@ -1,0 +1,112 @@
+"""Latency predictor: JSON round trip, online refinement, profile selection, held-out MAPE, the profiler."""
+import json
+
+import pytest
+
+from dytc.latency import (TARGET, FeatureSpec, LatencyModel, Point, heldout_mape, load_predictor, select_profile,
+                          split_heldout)
+
+SPEC = FeatureSpec()
+
+
+def synthetic(level: str = TARGET, scale: float = 1.0) -> list[Point]:
+    """A roofline-like grid with a bump at 2-4 tokens (non-monotone, as on a float32 CPU)."""
+    pts = []
+    for C in (128, 256, 512, 1024):
+        for T in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64):
+            for tree in (False, True):
+                ms = scale * (10 + 0.4 * T + 0.004 * C + 0.0001 * T * C + (6 if 2 <= T <= 4 else 0) + 0.1 * tree * T)
+                pts.append(Point(level, T, C, tree, ms))
+    return pts
+
+
+def test_fit_and_json_round_trip_predict_the_same():
+    pts = synthetic() + synthetic("int4", 0.5)
+    model = LatencyModel.fit(SPEC, pts)
+    back = LatencyModel.from_json(json.loads(json.dumps(model.to_json())))
+    for level in (TARGET, "int4"):
+        for T, C in ((1, 128), (3, 700), (64, 1024), (10, 300)):
+            assert back.predict_ms(level, T, C) == model.predict_ms(level, T, C)
+    assert back.cost_ratio("int4", 1, 512) == model.cost_ratio("int4", 1, 512)
+    # the fit captures the non-monotone bump, and the ratio of int4 to the target step is about 0.5
+    assert model.predict_ms(TARGET, 3, 512)[0] > model.predict_ms(TARGET, 8, 512)[0]
+    ratio, std = model.cost_ratio("int4", 1, 512)
+    assert ratio == pytest.approx(0.5, abs=0.03) and std > 0
+
+
+def test_online_observations_move_predictions_toward_injected_timings():
+    model = LatencyModel.fit(SPEC, synthetic())
+    before, _ = model.predict_ms(TARGET, 8, 512)
+    for _ in range(60):
+        for T in (4, 8, 16):
+            model.observe(TARGET, T, 512, 50.0)
+    after, _ = model.predict_ms(TARGET, 8, 512)
+    assert abs(after - 50.0) < 0.2 * abs(before - 50.0)
+
+
+def test_a_level_without_a_profile_is_learned_online():
+    model = LatencyModel(SPEC)
+    with pytest.raises(KeyError):
+        model.predict_ms("int8", 1, 128)
+    for p in synthetic("int8"):
+        model.observe(p.level, p.tokens, p.context, p.ms, p.tree)
+    mean, std = model.predict_ms("int8", 6, 512)
+    assert mean == pytest.approx(10 + 2.4 + 2.048 + 0.3072, rel=0.05) and std > 0
+
+
+def test_heldout_mape_is_the_mean_relative_error_on_the_held_out_points():
+    pts = synthetic()
+    train, held = split_heldout(pts, 0.25, seed=1)
+    assert len(held) == 20 and not set(train) & set(held) and len(train) + len(held) == len(pts)
+    model = LatencyModel.fit(SPEC, train)
+    assert heldout_mape(model, held)[TARGET] < 0.02  # the synthetic grid is in the model's span
+    doubled = [Point(p.level, p.tokens, p.context, p.tree, 2 * model.predict_ms(p.level, p.tokens, p.context,
+                                                                                p.tree)[0]) for p in held]
+    assert heldout_mape(model, doubled)[TARGET] == pytest.approx(0.5)
+
+
+def _write(folder, name, machine, model="m", dtype="float32", version=1):
+    prof = {"version": version, "created": "2026-01-01T00:00:00", "machine": machine, "model": model,
+            "dtype": dtype, "predictor": LatencyModel.fit(SPEC, synthetic()).to_json()}
+    (folder / name).write_text(json.dumps(prof))
+
+
+def test_only_a_profile_of_this_machine_model_and_dtype_is_used(tmp_path):
+    here = {"cpu": "Test CPU 9000", "gpu": None}
+    _write(tmp_path, "other_cpu.json", {"cpu": "Other CPU", "gpu": None})
+    _write(tmp_path, "other_gpu.json", {"cpu": "Test CPU 9000", "gpu": "H100"})
+    _write(tmp_path, "other_model.json", here, model="other")
+    _write(tmp_path, "other_dtype.json", here, dtype="bfloat16")
+    (tmp_path / "broken.json").write_text("{not json")
+    assert select_profile(here, "m", "float32", tmp_path) is None
+    assert load_predictor(here, "m", "float32", tmp_path) is None
+    _write(tmp_path, "mine.json", here)
+    assert select_profile(here, "m", "float32", tmp_path).name == "mine.json"
+    assert load_predictor(here, "m", "float32", tmp_path).known(TARGET)
+    assert select_profile(here, "m", "float32", tmp_path / "missing") is None
+
+
+def test_profiler_quick_path_end_to_end(tiny_engine_factory, tmp_path):
+    from casspec.profile import ProfileConfig, profile, write_profile
+
+    engine = tiny_engine_factory(max_context=96)
+    cfg = ProfileConfig(tokens=(1, 2, 4, 8), contexts=(16, 64), levels=("int8", "exit1"), repeats=1, warmup=1)
+    prof = profile(engine, cfg, progress=False)
+    paths = write_profile(prof, tmp_path / "tiny.json", plot=True)
+    assert [p.name for p in paths] == ["tiny.json", "tiny.png"] and paths[1].stat().st_size > 1000
+    back = json.loads(paths[0].read_text())
+    assert back["model"] == "tiny-llama" and back["dtype"] == "float32" and back["machine"]["cpu"]
+    assert set(back["heldout_mape"]) == {TARGET, "int8", "exit1"}
+    assert len(back["grid"]) == 2 * 3 * 2 * 4 and any(p["heldout"] for p in back["grid"])
+    model = LatencyModel.from_json(back["predictor"])
+    assert model.predict_ms("int8", 3, 40)[0] > 0
+    assert select_profile(back["machine"], "tiny-llama", "float32", tmp_path) == paths[0]
+
+
+def test_profile_command_rejects_a_bad_out_before_loading(tmp_path, capsys):
+    from casspec.cli import main
+
+    assert main(["profile", "--out", str(tmp_path / "p.txt")]) == 2
+    assert main(["profile", "--levels", "int3", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert ".json" in err and "unknown level" in err

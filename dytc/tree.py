@@ -36,12 +36,6 @@ class DraftTree:
         self.parents.append(parent)
         return len(self.tokens) - 1
 
-    def depths(self) -> list[int]:
-        d = [0] * len(self.parents)
-        for i in range(1, len(self.parents)):
-            d[i] = d[self.parents[i]] + 1
-        return d
-
     def children(self) -> list[list[int]]:
         ch: list[list[int]] = [[] for _ in self.parents]
         for i in range(1, len(self.parents)):

@@ -261,16 +261,12 @@ class Engine:
         if not req.sampling.greedy:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        dev = self.device
         cache.rollback(0)
         policy = self.policy(req)
 
         # prefill: the whole prompt in one forward; its last row gives the first token
         t = time.perf_counter()
-        n = len(prompt_ids)
-        logits = model.forward(cache, torch.tensor(prompt_ids, device=dev), torch.arange(n, device=dev), 0,
-                               logits_rows=slice(n - 1, n))
-        cache.commit(list(range(n)))
+        logits = self.extend_prefix(prompt_ids)
         root = self._pick(logits, req.sampling, generator)
         stats.prefill_seconds = time.perf_counter() - t
         stats.target_forwards = 1
@@ -312,6 +308,17 @@ class Engine:
                 stats.accepted_by_depth[d] += 1
             stats.draft_forwards = ctx.draft_forwards
             yield emitted
+
+    @torch.inference_mode()
+    def extend_prefix(self, ids: Sequence[int]) -> torch.Tensor:
+        """Commit the target's KV for ids[cache.length:] (ids must start with the committed tokens) in one
+        forward; returns the logits of the last token [1, V]."""
+        cache, dev = self.cache, self.device
+        start, n = cache.length, len(ids)
+        logits = self.model.forward(cache, torch.tensor(ids[start:], device=dev), torch.arange(start, n, device=dev),
+                                    start, logits_rows=slice(n - 1 - start, n - start))
+        cache.commit(list(range(n - start)))
+        return logits
 
     def _verify_forward(self, tree: DraftTree) -> torch.Tensor:
         """One target forward over the flattened tree, written to scratch. Returns logits [N, V]."""

@@ -36,15 +36,6 @@ class Measured:
     contiguous_agree: int = 0  # skip levels: hits with the same count of sublayers skipped contiguously
 
 
-def _commit_target(engine: Engine, ids: list[int]) -> None:
-    cache, model = engine.cache, engine.model
-    n = len(ids)
-    start = cache.length
-    model.forward(cache, torch.tensor(ids[start:]), torch.arange(start, n), start,
-                  logits_rows=slice(n - 1 - start, n - start))
-    cache.commit(list(range(n - start)))
-
-
 def _learn(engine: Engine, level: Level, tokens: int) -> None:
     """Let a level learn on the warm-up prompt: run its on-the-fly search to the end."""
     ids = engine.encode(WARMUP_PROMPT)
@@ -52,7 +43,7 @@ def _learn(engine: Engine, level: Level, tokens: int) -> None:
     cache = engine.cache
     cache.rollback(0)
     hist = ids + cont
-    _commit_target(engine, hist[:-1])
+    engine.extend_prefix(hist[:-1])
     level.begin(engine.model, cache, hist)
     while level.search is not None and not level.search.done:
         level.observe(engine.model, cache, hist, [])
@@ -62,7 +53,7 @@ def _agreement(engine: Engine, level: Level, prompt: list[int], cont: list[int],
     """Teacher-forced top-1 agreement counts, one per plan in `plans` (None = the level's own plan)."""
     model, cache = engine.model, engine.cache
     cache.rollback(0)
-    _commit_target(engine, prompt)
+    engine.extend_prefix(prompt)
     level.begin(model, cache, prompt + cont[:1])
     hits = [0] * len(plans)
     for s in range(0, len(cont) - 1, CHUNK):
@@ -76,7 +67,7 @@ def _agreement(engine: Engine, level: Level, prompt: list[int], cont: list[int],
             logits = model.forward(cache, tok, pos, L, plan=plan or level.plan)
             hits[j] += int((logits.argmax(-1) == torch.tensor(targets)).sum())
         level.observe(model, cache, prompt + cont[:s + len(inputs) + 1], inputs)
-        _commit_target(engine, prompt + cont[:s + len(inputs)])
+        engine.extend_prefix(prompt + cont[:s + len(inputs)])
     return hits
 
 

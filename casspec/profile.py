@@ -76,15 +76,6 @@ def _contexts(engine: Engine, cfg: ProfileConfig) -> list[int]:
     return [c for c in ctx if c >= 1]
 
 
-def _prefill(engine: Engine, ids: list[int]) -> None:
-    model, cache = engine.model, engine.cache
-    cache.rollback(0)
-    n = len(ids)
-    model.forward(cache, torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device), 0,
-                  logits_rows=slice(n - 1, n))
-    cache.commit(list(range(n)))
-
-
 @torch.inference_mode()
 def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> list[Point]:
     """Time every (level, shape, T, C) point of the grid; the target is level TARGET."""
@@ -99,7 +90,8 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> l
     bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, file=sys.stderr)
     points: list[Point] = []
     for C in contexts:
-        _prefill(engine, ids[:C])
+        cache.rollback(0)
+        engine.extend_prefix(ids[:C])
         for name, level in [(TARGET, None)] + list(zip(cfg.levels, levels)):
             if level is not None:
                 level.begin(model, cache, ids[:C + 1])

@@ -156,13 +156,17 @@ class Level:
         total += self.vocab.nbytes if self.vocab else 0
         return total
 
-    def _build_plan(self) -> Plan:
+    def _base_plan(self) -> Plan:
+        """Every switch of the level except the searched skip set."""
         c = self.config
-        base = Plan(exit_after=c.exit_after,
+        return Plan(exit_after=c.exit_after,
                     linears=self.quant.linears if self.quant else {},
                     fused=self.quant.fused if self.quant else {},
                     mlps=self._mlps,
                     head=self.vocab if self.vocab is not None else (self.quant.head if self.quant else None))
+
+    def _build_plan(self) -> Plan:
+        base = self._base_plan()
         return self.search.plan(base) if self.search else base
 
     def begin(self, model: Transformer, cache: KVCache, history: list[int], window: int = 64) -> None:
@@ -186,9 +190,7 @@ class Level:
         if self.vocab is not None:
             self.vocab.add(emitted)
         if self.search is not None and not self.search.done:
-            base = Plan(exit_after=self.config.exit_after, linears=self.plan.linears, fused=self.plan.fused,
-                        mlps=self.plan.mlps, head=self.plan.head)
-            self.search.step(model, cache, history, base)
+            self.search.step(model, cache, history, self._base_plan())
             self.plan = self._build_plan()
 
     def forward(self, model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor, start: int,

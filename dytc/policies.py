@@ -84,16 +84,26 @@ class ChainConfig:
     min_confidence: float = 0.4  # stop once the chain's cumulative draft probability falls below this
 
 
-class ChainPolicy(Policy):
+class LevelPolicy(Policy):
+    """A policy drafting with one dsia level: the level calibrates on each prompt and learns after each step."""
+
+    def __init__(self, level: Level) -> None:
+        self.level = level
+
+    def begin(self, ctx: DraftContext) -> None:
+        self.level.begin(ctx.model, ctx.cache, ctx.history)
+
+    def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
+        self.level.observe(ctx.model, ctx.cache, ctx.history, emitted)
+
+
+class ChainPolicy(LevelPolicy):
     """`sd`: one level drafts a chain token by token (one 1-token forward each) until its confidence drops."""
     name = "sd"
 
     def __init__(self, level: Level, cfg: ChainConfig = ChainConfig()) -> None:
-        self.level = level
+        super().__init__(level)
         self.cfg = cfg
-
-    def begin(self, ctx: DraftContext) -> None:
-        self.level.begin(ctx.model, ctx.cache, ctx.history)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         cache, dev = ctx.cache, ctx.model.device
@@ -118,9 +128,6 @@ class ChainPolicy(Policy):
                 break
         return tree
 
-    def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
-        self.level.observe(ctx.model, ctx.cache, ctx.history, emitted)
-
 
 @dataclass
 class TreeConfig:
@@ -131,7 +138,7 @@ class TreeConfig:
     min_probability: float = 0.02  # nodes whose cumulative draft probability is below this are not kept
 
 
-class TreePolicy(Policy):
+class TreePolicy(LevelPolicy):
     """`tree`: one level drafts a token tree, one batched forward per depth over the expanded nodes.
 
     Children are the level's top-k tokens, deterministic (q one-hot), which is lossless for sampling too.
@@ -139,11 +146,8 @@ class TreePolicy(Policy):
     name = "tree"
 
     def __init__(self, level: Level, cfg: TreeConfig = TreeConfig()) -> None:
-        self.level = level
+        super().__init__(level)
         self.cfg = cfg
-
-    def begin(self, ctx: DraftContext) -> None:
-        self.level.begin(ctx.model, ctx.cache, ctx.history)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         cfg, cache, dev = self.cfg, ctx.cache, ctx.model.device
@@ -173,9 +177,6 @@ class TreePolicy(Policy):
             if all(tree.tokens[n] in ctx.eos_ids for n in frontier):
                 break
         return prune(tree, score, budget)
-
-    def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
-        self.level.observe(ctx.model, ctx.cache, ctx.history, emitted)
 
 
 def prune(tree: DraftTree, score: list[float], max_nodes: int) -> DraftTree:

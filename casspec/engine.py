@@ -17,16 +17,21 @@ from dsia.errors import CasspecError
 from dsia.kvcache import KVCache
 from dsia.levels import LevelConfig, LevelRegistry
 from dsia.model import Transformer
+from dytc.acceptance import PLD, AcceptanceTracker
+from dytc.cascade import Cascade, CascadeConfig
 from dytc.latency import TARGET as TARGET_LEVEL
 from dytc.latency import FeatureSpec, LatencyModel, machine_info, select_profile
 from dytc.policies import ChainPolicy, DraftContext, PldPolicy, Policy, TreePolicy
+from dytc.router import DyTC, RouterConfig
 from dytc.sampling import SamplingParams, sample, warp
 from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
 from dytc.verify import verify_greedy, verify_sampling
 
 from .loading import Loaded, load
 
-METHODS = ("ar", "pld", "sd", "tree")  # decoding methods (drafting policies) of this engine
+METHODS = ("ar", "pld", "sd", "tree", "vc", "hc", "vc+hc", "dytc")  # decoding methods (drafting policies)
+SINGLE_LEVEL = ("sd", "tree")  # methods drafting with Request.level
+MULTI_LEVEL = ("vc", "hc", "vc+hc", "dytc")  # methods drafting with Request.levels (empty: their defaults)
 
 Prompt = str | Sequence[dict]  # raw text or chat messages [{"role": ..., "content": ...}]
 
@@ -39,6 +44,8 @@ class Request:
     seed: int | None = None  # seed of the sampling generator; None = fresh randomness
     method: str = "ar"  # decoding method, one of METHODS
     level: str = "int4"  # the draft level of the single-level methods (sd, tree)
+    levels: tuple[str, ...] = ()  # sources of vc / dytc (level names, strongest first) and of hc / vc+hc
+    # (segments "LEVEL*K" or "pld*K", in chain order); empty = the method's defaults
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -46,8 +53,30 @@ class Request:
         if self.method not in METHODS:
             raise CasspecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
         LevelConfig.parse(self.level)  # a clear error for a bad level name, before any work
+        if self.levels:
+            if self.method not in MULTI_LEVEL:
+                raise CasspecError(f"levels are for {', '.join(MULTI_LEVEL)}; {self.method} takes one level")
+            parse_sources(self.method, self.levels)
         if any(not s for s in self.stop):
             raise CasspecError("stop strings must not be empty: drop the empty --stop")
+
+
+def parse_sources(method: str, levels: Sequence[str]) -> list[tuple[str, int]]:
+    """Request.levels of a multi-level method -> [(source, segment tokens or 0)]; one clear error if malformed."""
+    out = []
+    for item in levels:
+        name, star, k = item.partition("*")
+        if method in ("hc", "vc+hc"):
+            if not star or not k.isdigit() or int(k) < 1:
+                raise CasspecError(f"hc segment {item!r} must be SOURCE*K with K >= 1 tokens, e.g. int4*4 or pld*3")
+        elif star:
+            raise CasspecError(f"{method} takes level names without *K (got {item!r}); segments are for hc")
+        if name != PLD:
+            LevelConfig.parse(name)
+        elif method in ("vc", "dytc"):
+            raise CasspecError(f"{method} always uses prompt lookup at the bottom: list only dsia levels")
+        out.append((name, int(k) if star else 0))
+    return out
 
 
 @dataclass
@@ -66,6 +95,7 @@ class Stats:
     latency: str = ""  # where the latency predictor comes from (a profile, or online fitting)
     predicted_verify_seconds: float = 0.0  # what the predictor expected the verification forwards to take
     accepted_by_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d+1
+    policy: dict = field(default_factory=dict)  # the drafting policy's own report (dytc: levels, fallbacks, ...)
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,7 +117,7 @@ class Stats:
                 f"{self.target_forwards} target forwards, mean accepted {self.mean_accepted_tokens:.2f}; "
                 f"draft {self.draft_seconds:.2f}s, verify {self.verify_seconds:.2f}s "
                 f"(predicted {self.predicted_verify_seconds:.2f}s); finish: {self.finish_reason}; "
-                f"latency: {self.latency}")
+                f"latency: {self.latency}" + (f"; {json.dumps(self.policy)}" if self.policy else ""))
 
 
 @dataclass
@@ -109,6 +139,7 @@ class Engine:
         self.eos_ids = self._eos_ids()
         self.levels = LevelRegistry(self.model)  # draft levels, built on first use and reused
         self.latency, self.latency_source = self._latency_model()
+        self.trackers: dict[tuple[str, ...], AcceptanceTracker] = {}  # dytc acceptance estimates, per level set
         self.last_result: Result | None = None  # the Result of the latest generation (also when streamed)
 
     @classmethod
@@ -152,6 +183,8 @@ class Engine:
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt. Chat messages, or text when chat is True (default: when the tokenizer has a
         chat template), go through the tokenizer's chat template with the generation prompt added."""
+        if self.tokenizer is None:
+            raise CasspecError(f"{self.name} has random weights and no tokenizer (profiling only): load a checkpoint")
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -250,8 +283,20 @@ class Engine:
             return Policy()
         if req.method == "pld":
             return PldPolicy()
-        level = self.levels.get(req.level)
-        return ChainPolicy(level) if req.method == "sd" else TreePolicy(level)
+        if req.method in SINGLE_LEVEL:
+            level = self.levels.get(req.level)
+            return ChainPolicy(level) if req.method == "sd" else TreePolicy(level)
+        sources = parse_sources(req.method, req.levels)
+        if req.method == "dytc":
+            names = tuple(n for n, _ in sources) or RouterConfig.levels
+            tracker = self.trackers.setdefault(names, AcceptanceTracker())  # estimates carry over generations
+            return DyTC([self.levels.get(n) for n in names], self.latency, tracker, RouterConfig(levels=names))
+        if req.method == "vc":
+            names = tuple(n for n, _ in sources) or ("int4",)
+            return Cascade.vc([self.levels.get(n) for n in names])
+        segments = sources or list(CascadeConfig.hc_segments)
+        levels = {n: self.levels.get(n) for n, _ in segments if n != PLD}
+        return Cascade.hc(levels, segments, vertical=req.method == "vc+hc")
 
     @torch.inference_mode()
     def _decode(self, prompt_ids: list[int], req: Request, stats: Stats) -> Iterator[list[int]]:
@@ -307,6 +352,7 @@ class Engine:
             for d in range(depth):
                 stats.accepted_by_depth[d] += 1
             stats.draft_forwards = ctx.draft_forwards
+            stats.policy = policy.report()
             yield emitted
 
     @torch.inference_mode()

@@ -202,11 +202,48 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, device: torch.device):
     raise AssertionError("unreachable")
 
 
+# Random-weight models of real shapes, for latency profiling only (timing does not depend on weight values):
+# `--model random:NAME`. Each is named after the model whose shape it has, so a profile of it is picked up by
+# an engine running that model (same machine, same dtype). They have no tokenizer.
+RANDOM_PREFIX = "random:"
+RANDOM_SHAPES: dict[str, tuple[str, dict]] = {
+    "smollm2-135m": (EMBEDDED_NAME, dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                         vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                                         rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "qwen2.5-0.5b": ("qwen2.5-coder-0.5b-instruct", dict(
+        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "llama-7b": ("Llama-7B-shape", dict(model_type="llama", hidden_size=4096, intermediate_size=11008,
+                                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                        vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)),
+}
+
+
+def _load_random(shape: str, dtype: torch.dtype, device: torch.device) -> Loaded:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape not in RANDOM_SHAPES:
+        raise CasspecError(f"unknown random-weight shape {shape!r}: use one of "
+                           f"{', '.join(RANDOM_PREFIX + k for k in RANDOM_SHAPES)}")
+    name, kw = RANDOM_SHAPES[shape]
+    kw = dict(kw)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    with device:  # weights are created and initialised on the device (fast on a GPU)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return Loaded(model.eval(), None, name)
+
+
 def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
          device: str | torch.device = "cpu") -> Loaded:
-    """Load a checkpoint: None (embedded default), an HF folder, or a .gguf file. Local files only."""
+    """Load a checkpoint: None (embedded default), an HF folder, a .gguf file, or random:SHAPE (random weights of
+    a real model's shape, for profiling). Local files only."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
+        return _load_random(model[len(RANDOM_PREFIX):], dt, dev)
     if model is None:
         path = embedded_gguf()
         hf, tok = _load_gguf(path, dt, dev)

@@ -2,9 +2,10 @@
 
 Grid: tokens in the forward (chain: causal mask; tree: a binary tree's ancestor mask) x context length x level.
 At each context C the target prefills C random tokens (committed), each level calibrates once (`begin`), then
-every forward writes T tokens to scratch at slot C and is never committed. Each point is the median of
-`repeats` timed calls after `warmup` untimed ones (synchronising on cuda). The predictor (dytc.latency) is fitted
-on the points not held out; `heldout_mape` is its error on the held-out ones.
+every forward writes T tokens to scratch at slot C and is never committed. Each point is the median of its
+timed calls over `repeats` rounds through all of the context's points, after `warmup` untimed rounds
+(synchronising on cuda). The predictor (dytc.latency) is fitted on the points not held out; `heldout_mape` is
+its error on the held-out ones.
 """
 from __future__ import annotations
 
@@ -28,17 +29,17 @@ from dytc.tree import ancestor_mask, position_ids
 
 from .engine import Engine
 
-DEFAULT_LEVELS = ("int8", "int4", "skip0.4", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
+DEFAULT_LEVELS = ("int8", "int4", "int4+vocab", "skip0.4", "sparse0.5")  # dytc's default levels and one per strategy
 
 
 @dataclass(frozen=True)
 class ProfileConfig:
-    tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # T per forward
-    contexts: tuple[int, ...] = (128, 512, 1536, 4096)  # committed tokens C (capped by the window)
+    tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # T per forward
+    contexts: tuple[int, ...] = (128, 1024, 4096)  # committed tokens C (capped by the window)
     levels: tuple[str, ...] = DEFAULT_LEVELS  # draft levels profiled besides the target
     shapes: tuple[str, ...] = ("chain", "tree")  # attention masks of the T tokens
-    repeats: int = 5  # timed calls per point (the median is kept)
-    warmup: int = 1  # untimed calls per point first
+    repeats: int = 5  # timed rounds over each context's points (each point keeps its median)
+    warmup: int = 1  # untimed rounds first
     heldout: float = 0.2  # fraction of each level's points left out of the fit
     seed: int = 0  # prefill tokens and the held-out split
 
@@ -57,17 +58,13 @@ def _tree_parents(n: int) -> list[int]:
     return [-1] + [(i - 1) // 2 for i in range(1, n)]
 
 
-def _time_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _time_ms(fn, device: torch.device) -> float:
+    """Milliseconds of one call, synchronised."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _contexts(engine: Engine, cfg: ProfileConfig) -> list[int]:
@@ -85,13 +82,18 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> l
     model, cache, dev = engine.model, engine.cache, engine.device
     contexts = _contexts(engine, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
-    ids = torch.randint(3, model.spec.vocab_size, (max(contexts) + 1,), generator=gen).tolist()
+    # prefill ids from the low (frequent, in BPE merge order) ids, as in text: a reduced-vocab level's head then
+    # keeps its usual size instead of growing with thousands of distinct random ids
+    high = min(model.spec.vocab_size, 8192)
+    ids = torch.randint(3, high, (max(contexts) + 1,), generator=gen).tolist()
     total = len(contexts) * (len(levels) + 1) * len(cfg.shapes) * len(cfg.tokens)
-    bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, file=sys.stderr,
+               bar_format="{l_bar}{bar}| {n:.0f}/{total} [{elapsed}<{remaining}]")
     points: list[Point] = []
     for C in contexts:
         cache.rollback(0)
         engine.extend_prefix(ids[:C])
+        calls: list[tuple[str, int, bool, object]] = []  # (level name, T, tree, the timed call)
         for name, level in [(TARGET, None)] + list(zip(cfg.levels, levels)):
             if level is not None:
                 level.begin(model, cache, ids[:C + 1])
@@ -109,9 +111,17 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> l
                     else:
                         def fn(tok=tok, pos=pos, mask=mask, level=level):
                             return level.forward(model, cache, tok, pos, C, mask)
-                    ms = _time_ms(fn, dev, cfg.repeats, cfg.warmup)
-                    points.append(Point(name, T, C, tree, ms))
-                    bar.update(1)
+                    calls.append((name, T, tree, fn))
+        # rounds over all the context's points (not repeats of one point in a row), so that a burst of load
+        # from elsewhere on the machine hits one round of many points rather than every repeat of a few
+        times: list[list[float]] = [[] for _ in calls]
+        for r in range(cfg.warmup + cfg.repeats):
+            for i, (_, _, _, fn) in enumerate(calls):
+                ms = _time_ms(fn, dev)
+                if r >= cfg.warmup:
+                    times[i].append(ms)
+                    bar.update(1 / cfg.repeats)
+        points += [Point(name, T, C, tree, statistics.median(t)) for (name, T, tree, _), t in zip(calls, times)]
     bar.close()
     cache.rollback(0)
     return points
@@ -127,7 +137,9 @@ def feature_spec(engine: Engine) -> FeatureSpec:
 def profile(engine: Engine, cfg: ProfileConfig = ProfileConfig(), progress: bool = True) -> dict:
     """Measure the grid, fit the predictor on the kept points and score it on the held-out ones."""
     device = engine.device
+    t0 = time.perf_counter()
     points = measure_grid(engine, cfg, progress)
+    seconds = time.perf_counter() - t0
     train, held = split_heldout(points, cfg.heldout, cfg.seed)
     predictor = LatencyModel.fit(feature_spec(engine), train, weight_bytes={TARGET: engine.model.weight_bytes()})
     heldset = set(held)
@@ -142,6 +154,7 @@ def profile(engine: Engine, cfg: ProfileConfig = ProfileConfig(), progress: bool
         "grid": [dict(asdict(p), heldout=p in heldset) for p in points],
         "predictor": predictor.to_json(),
         "heldout_mape": heldout_mape(predictor, held),
+        "seconds": round(seconds, 1),  # wall time of the measurements (level set-up included)
     }
 
 
@@ -220,7 +233,9 @@ def config_for(quick: bool, levels: str | None) -> ProfileConfig:
 
 
 def format_profile(prof: dict) -> str:
-    lines = ["| level | held-out MAPE | 1-token ms at min context |", "|---|---|---|"]
+    lines = [f"{prof['model']} {prof['dtype']} on {prof['machine']['gpu'] or prof['machine']['cpu']}: "
+             f"{len(prof['grid'])} points in {prof.get('seconds', float('nan')):.0f} s", "",
+             "| level | held-out MAPE | 1-token ms at min context |", "|---|---|---|"]
     model = LatencyModel.from_json(prof["predictor"])
     c0 = min(p["context"] for p in prof["grid"])
     for level, mape in prof["heldout_mape"].items():

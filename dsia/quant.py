@@ -222,6 +222,8 @@ def nf4_fits(out: int, n_in: int, blocksize: int) -> bool:
 def quantize_weight(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear:
     """One quantized copy of w [out, in]; int4/int8g/nf4 fall back to int8 for shapes their kernels cannot take."""
     out, n_in = w.shape
+    if kind == "int8g" and w.device.type != "cpu":
+        kind = "int8"  # the grouped int8 kernel is CPU-only; per-channel int8 is its GPU stand-in (e.g. for heads)
     if kind in ("int4", "int8g") and int4_fits(out, n_in, cfg.group_size):
         if w.device.type != "cpu":
             raise CasspecError(f"{kind} kernels run on cpu only, the model is on {w.device}: use int8")

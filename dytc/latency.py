@@ -177,6 +177,14 @@ class LatencyModel:
         mean, std = self.levels[level].predict(self.spec.features(tokens, context, tree)[None])
         return float(mean[0]), float(std[0])
 
+    def predict_mean(self, level: str, tokens: np.ndarray, context: int, tree: bool = False) -> np.ndarray:
+        """Mean ms [K] for each token count in tokens [K] at one context (vectorised; no uncertainty)."""
+        if not self.known(level):
+            raise KeyError(f"no latency data for level {level!r}: profile it or observe() its timings first")
+        fit = self.levels[level]
+        x = np.stack([self.spec.features(int(t), context, tree) for t in tokens])  # [K, F]
+        return fit.design(x) @ fit.mean_weights()
+
     def cost_ratio(self, level: str, tokens: int, context: int, tree: bool = False) -> tuple[float, float]:
         """(ratio, std) of the level's forward vs the target's 1-token step at the same context (delta method)."""
         lm, ls = self.predict_ms(level, tokens, context, tree)

@@ -125,6 +125,21 @@ class PromptLookup:
         out = _cut_eos(self.tokens[start + n:start + n + k], self.eos_ids)
         return out, [match_confidence(n)] * len(out)
 
+    def propose_after(self, extra: Sequence[int], k: int = PLD_NUM_TOKENS) -> tuple[list[int], int]:
+        """Up to k tokens continuing history + extra (drafted tokens not in the history, e.g. a tree path), copied
+        from the history after the leftmost occurrence of the longest matching suffix; and the match length n
+        (0: none). With extra = [] this is `propose`."""
+        hist, L = self.tokens, len(self.tokens)
+        tail = hist[-self.max_ngram:] + list(extra)
+        for n in range(min(self.max_ngram, L - 1 + len(extra)), 0, -1):
+            if n > len(tail):
+                continue
+            start = self.first[n].get(tuple(tail[len(tail) - n:]), L)
+            if start < L - n:  # at least one history token follows the occurrence
+                out = _cut_eos(hist[start + n:start + n + k], self.eos_ids) if k > 0 else []
+                return out, (n if out else 0)
+        return [], 0
+
     def propose_tree(self, k: int = PLD_NUM_TOKENS, width: int = 4,
                      max_scan: int = 16) -> tuple[DraftTree, list[float]]:
         """Up to `width` continuations from different earlier occurrences, merged into a trie rooted at the last

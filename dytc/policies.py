@@ -39,9 +39,9 @@ class DraftContext:
 
     @property
     def room(self) -> int:
-        """Most tree nodes (root included) worth verifying: what fits in the cache and in the token budget
-        (a path of d draft tokens emits d + 1)."""
-        return max(1, min(self.cache.capacity - self.cache.length, self.budget))
+        """Most tree nodes (root included) worth verifying: what fits in the token budget (a path of d draft tokens
+        emits d + 1) and in the cache, leaving the slot AR would leave (so every method stops where AR stops)."""
+        return max(1, min(self.cache.capacity - self.cache.length - 1, self.budget))
 
 
 class Policy:
@@ -55,6 +55,10 @@ class Policy:
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         """After verification: `path` (tree nodes) was committed and `emitted` appended to ctx.history."""
+
+    def report(self) -> dict:
+        """What the policy did in this generation, for Stats.policy (empty: nothing beyond the common stats)."""
+        return {}
 
 
 class PldPolicy(Policy):

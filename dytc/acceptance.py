@@ -1,0 +1,106 @@
+"""Online acceptance estimates: exponential moving averages of how often drafted tokens are accepted.
+
+A drafted token is *tested* when its parent is on the accepted path (the target looked at it) and *accepted* when
+it is on the path itself. Tokens are grouped by (source, bucket): the source is the level that proposed the token
+("pld" for prompt lookup), the bucket a coarse measure of the draft's own belief in it — the draft probability of
+the token for a neural level, the match length for prompt lookup. After each verification every group with
+tested tokens moves toward its recent rate: a <- lam * a + (1 - lam) * a_recent, where a_recent is accepted /
+tested over the group's last `window` steps with tested tokens (CAS-Spec: lam = 0.7 over a window of about 20
+steps; a windowed rate keeps one rejected token from cutting the estimate by 30%). A per-source average over all
+buckets values tokens not drafted yet (the planner's lookahead), and a bucket's estimate is shrunk toward it by
+`shrink` pseudo-tokens (a bucket with few tested tokens in its window says little). A level's top-1 tokens and
+its lower-ranked ones (siblings) are separate sources.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+PLD = "pld"  # source name of prompt-lookup tokens
+OVERRULED = "pld!"  # a prompt-lookup token that a draft level reviewed and disagreed with
+SIBLING = "#sib"  # suffix of a level's source name for tokens other than its top-1 (siblings)
+
+
+def sibling(level: str) -> str:
+    """The source name of a level's lower-ranked tokens: they are accepted far less often than a top-1 token of
+    the same draft probability, so they are estimated apart."""
+    return level + SIBLING
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    lam: float = 0.7  # weight of the previous estimate in each step's update (CAS-Spec's lambda)
+    window: int = 20  # steps (with tested tokens) over which the recent rate is counted
+    shrink: float = 10.0  # pseudo-tokens of the source's average in a bucket's estimate
+    prob_edges: tuple[float, ...] = (0.1, 0.2, 0.4, 0.6, 0.8, 0.9, 0.97)  # draft-probability bucket edges
+    max_match: int = 4  # prompt-lookup match lengths >= this share a bucket
+    prior_level: float = 0.8  # start value of a neural level's per-source average
+    floor: float = 0.01  # estimates never reach 0 or 1: a source can always win back trust
+    ceil: float = 0.995
+
+
+@dataclass
+class AcceptanceTracker:
+    cfg: AcceptanceConfig = AcceptanceConfig()
+    rates: dict[tuple[str, int], float] = field(default_factory=dict)  # (source, bucket) -> estimate
+    overall: dict[str, float] = field(default_factory=dict)  # source -> estimate over all its tokens
+    counts: dict[str, list[int]] = field(default_factory=dict)  # source -> [tested, accepted], all time
+    recent: dict[tuple[str, int] | str, deque] = field(default_factory=dict)  # key -> last steps' (tested, accepted)
+
+    def bucket(self, source: str, belief: float) -> int:
+        """belief: the draft probability of the token (a level) or the match length (pld)."""
+        if source in (PLD, OVERRULED):
+            return max(0, min(int(belief), self.cfg.max_match))
+        return bisect.bisect_right(self.cfg.prob_edges, belief)
+
+    def _prior(self, source: str, bucket: int) -> float:
+        if source == PLD:
+            return bucket / (bucket + 1.0)  # match length n -> n / (n + 1)
+        if source == OVERRULED:
+            return 0.1
+        edges = (0.0,) + self.cfg.prob_edges + (1.0,)
+        mid = 0.5 * (edges[bucket] + edges[bucket + 1])
+        return 0.5 * mid if source.endswith(SIBLING) else mid  # as if the draft were calibrated
+
+    def estimate(self, source: str, belief: float) -> float:
+        """Probability that a token from `source` with this belief is accepted, given its parent is."""
+        key = (source, self.bucket(source, belief))
+        if key not in self.rates or source not in self.overall:
+            return self._rate(key)
+        n = sum(t for t, _ in self.recent[key])  # tested tokens in the bucket's window
+        return (n * self.rates[key] + self.cfg.shrink * self.overall[source]) / (n + self.cfg.shrink)
+
+    def _rate(self, key: tuple[str, int]) -> float:
+        """A bucket's estimate; a bucket not seen yet starts from its source's average where that exists."""
+        if key in self.rates:
+            return self.rates[key]
+        return self.overall[key[0]] if key[0] in self.overall and key[0] != PLD else self._prior(*key)
+
+    def mean(self, source: str) -> float:
+        """Acceptance of a typical token of `source` (for tokens not drafted yet)."""
+        return self.overall.get(source, self.cfg.prior_level if source not in (PLD, OVERRULED) else 0.5)
+
+    def update(self, outcomes: list[tuple[str, float, bool]]) -> None:
+        """One verification's tested tokens: (source, belief, accepted)."""
+        lam, lo, hi = self.cfg.lam, self.cfg.floor, self.cfg.ceil
+        groups: dict[tuple[str, int], list[int]] = {}
+        per_source: dict[str, list[int]] = {}
+        for source, belief, ok in outcomes:
+            for d, key in ((groups, (source, self.bucket(source, belief))), (per_source, source)):
+                g = d.setdefault(key, [0, 0])
+                g[0] += 1
+                g[1] += int(ok)
+        for key, (n, k) in groups.items():
+            self.rates[key] = min(hi, max(lo, lam * self._rate(key) + (1 - lam) * self._recent(key, n, k)))
+        for source, (n, k) in per_source.items():
+            self.overall[source] = min(hi, max(lo, lam * self.mean(source) + (1 - lam) * self._recent(source, n, k)))
+            c = self.counts.setdefault(source, [0, 0])
+            c[0] += n
+            c[1] += k
+
+    def _recent(self, key: tuple[str, int] | str, tested: int, accepted: int) -> float:
+        """Add one step's counts to the key's window; the window's acceptance rate."""
+        win = self.recent.setdefault(key, deque(maxlen=self.cfg.window))
+        win.append((tested, accepted))
+        return sum(a for _, a in win) / sum(t for t, _ in win)

@@ -1,0 +1,162 @@
+"""CS Drafting's cascades (arXiv 2312.11462) over dsia levels, with prompt lookup as the zero-cost bottom.
+
+Both draft a chain (deterministic tokens: q one-hot, lossless under sampling too); the target verifies it once.
+
+  vc     vertical cascade over sources [S_1, ..., S_m, pld] (strongest first). S_i drafts its tokens by
+         reviewing a proposal of the next source down: one S_i forward over its pending chain tokens plus the
+         proposal gives S_i's own next token after each of them; the proposal's tokens are kept while they
+         equal S_i's (greedy review, no lenience), and S_i's token after the last kept one is appended. So
+         each S_i forward yields 1 + (matched proposal tokens) tokens. The bottom is prompt lookup (no forward);
+         when it has nothing, S_i just drafts its next token. The top source's chain is the draft.
+  hc     horizontal cascade: the chain is cut into segments (CS Drafting's k-matrix, one row): the first k_1
+         tokens from S_1, the next k_2 from S_2, ..., stronger sources first since early tokens matter most.
+  vc+hc  both: each neural segment of hc is drafted vertically with prompt lookup beneath it.
+
+A level's forward writes the KV of the chain tokens it runs into their scratch slots (token j at slot
+cache.length + j). A level reads the chain's earlier slots when they were written by itself or by a level that
+writes every layer (quantized, sparse, vocabulary levels); otherwise it runs them again (skip and exit levels
+leave the skipped layers' slots unwritten).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsia.levels import Level
+
+from .acceptance import PLD
+from .ngram import PromptLookup
+from .policies import DraftContext, Policy
+from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    vc_tokens: int = 8  # vc: tokens the top source drafts per step
+    proposal_tokens: int = 4  # most tokens a lower source proposes to the one above per review
+    hc_segments: tuple[tuple[str, int], ...] = (("int4", 4), ("int4+vocab", 3), (PLD, 3))  # hc k-matrix row
+
+
+class ChainBuilder:
+    """One step's chain under construction, with per-token record of which level's KV sits in its slot."""
+
+    def __init__(self, ctx: DraftContext, full_kv: dict[str, bool]) -> None:
+        self.ctx = ctx
+        self.tokens = [ctx.history[-1]]  # chain tokens; [0] is the root
+        self.kv: list[str | None] = [None]  # level whose KV is in each token's slot
+        self.full_kv = full_kv
+
+    def readable(self, j: int, name: str) -> bool:
+        w = self.kv[j]
+        return w == name or (w is not None and self.full_kv[w])
+
+    def run(self, level: Level, upto: int, extra: list[int]) -> list[int]:
+        """Run `level` over the chain tokens it cannot read yet (up to index `upto`, inclusive) plus `extra`
+        (tokens proposed after index upto; their slots follow). Returns the level's greedy next token after
+        each position from `upto` on: [1 + len(extra)]."""
+        ctx, dev = self.ctx, self.ctx.model.device
+        # from the first token it cannot read (at the latest `upto` itself, whose logits are needed)
+        start = next((j for j in range(upto + 1) if not self.readable(j, level.name)), upto)
+        toks = self.tokens[start:upto + 1] + extra
+        L = ctx.cache.length
+        logits = level.forward(ctx.model, ctx.cache, torch.tensor(toks, device=dev),
+                               torch.arange(L + start, L + start + len(toks), device=dev), L + start)  # [T, V]
+        ctx.draft_forwards += 1
+        for j in range(start, upto + 1):
+            self.kv[j] = level.name
+        return logits[upto - start:].argmax(-1).tolist()
+
+    def push(self, tokens: list[int], kv: str | None) -> None:
+        self.tokens += tokens
+        self.kv += [kv] * len(tokens)
+
+    def tree(self) -> DraftTree:
+        tree = DraftTree.root(self.tokens[0])
+        for t in self.tokens[1:]:
+            tree.add(len(tree) - 1, t)
+        return tree
+
+
+class Cascade(Policy):
+    """`vc`, `hc` or `vc+hc` over named sources (levels and "pld")."""
+
+    def __init__(self, name: str, levels: dict[str, Level], segments: list[tuple[str, int]], vertical: bool,
+                 cfg: CascadeConfig = CascadeConfig()) -> None:
+        self.name = name
+        self.levels = levels  # name -> Level, every neural source used
+        self.segments = segments  # (source, tokens) in chain order
+        self.vertical = vertical
+        self.cfg = cfg
+
+    @staticmethod
+    def vc(levels: list[Level], cfg: CascadeConfig = CascadeConfig()) -> "Cascade":
+        """Vertical: the strongest level drafts cfg.vc_tokens, reviewing the next level's proposals, down to pld."""
+        c = Cascade("vc", {lv.name: lv for lv in levels}, [(levels[0].name, cfg.vc_tokens)], True, cfg)
+        c.below = [lv.name for lv in levels[1:]] + [PLD]
+        return c
+
+    @staticmethod
+    def hc(levels: dict[str, Level], segments: list[tuple[str, int]], vertical: bool = False,
+           cfg: CascadeConfig = CascadeConfig()) -> "Cascade":
+        c = Cascade("vc+hc" if vertical else "hc", levels, segments, vertical, cfg)
+        c.below = [PLD]
+        return c
+
+    def begin(self, ctx: DraftContext) -> None:
+        for lv in self.levels.values():
+            lv.begin(ctx.model, ctx.cache, ctx.history)
+        self.full_kv = {n: not lv.plan.skip_attn and lv.plan.exit_after is None for n, lv in self.levels.items()}
+        self.lookup = PromptLookup(ctx.history, eos_ids=ctx.eos_ids)
+
+    def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
+        for lv in self.levels.values():
+            lv.observe(ctx.model, ctx.cache, ctx.history, emitted)
+        self.lookup.extend(emitted)
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        chain = ChainBuilder(ctx, self.full_kv)
+        room = ctx.room - 1  # draft tokens that fit
+        for source, k in self.segments:
+            k = min(k, room - (len(chain.tokens) - 1))
+            if k <= 0:
+                break
+            before = len(chain.tokens)
+            if source == PLD:
+                chain.push(self.lookup.propose_after(chain.tokens[1:], k)[0], None)
+            else:
+                self._extend(chain, source, k, self.below if self.vertical else [])
+            if len(chain.tokens) == before or chain.tokens[-1] in ctx.eos_ids:
+                break
+        return chain.tree()
+
+    def _propose(self, chain: ChainBuilder, below: list[str], k: int) -> list[int]:
+        """Up to k tokens continuing the chain from the next source down (recursively vertical)."""
+        if not below or k <= 0:
+            return []
+        if below[0] == PLD:
+            return self.lookup.propose_after(chain.tokens[1:], k)[0]
+        n0 = len(chain.tokens)
+        self._extend(chain, below[0], k, below[1:])
+        out = chain.tokens[n0:]
+        del chain.tokens[n0:], chain.kv[n0:]  # a proposal only: the level above decides what stays
+        return out
+
+    def _extend(self, chain: ChainBuilder, name: str, k: int, below: list[str]) -> None:
+        """Append k tokens drafted by level `name`, each of its forwards reviewing a proposal from below."""
+        level, eos = self.levels[name], chain.ctx.eos_ids
+        goal = len(chain.tokens) + k
+        while len(chain.tokens) < goal:
+            want = goal - len(chain.tokens)
+            prop = self._propose(chain, below, min(self.cfg.proposal_tokens, want - 1))
+            nxt = chain.run(level, len(chain.tokens) - 1, prop)  # [1 + len(prop)]
+            kept = 0
+            while kept < len(prop) and prop[kept] == nxt[kept]:
+                kept += 1
+            new = (prop[:kept] + [nxt[kept]])[:want]
+            chain.push(new[:kept], name)  # reviewed tokens: the level ran them (their KV is the level's)
+            chain.push(new[kept:], None)  # its own next token: not run yet
+            if any(t in eos for t in new):  # nothing is drafted past an EOS
+                cut = next(i for i in range(len(chain.tokens) - len(new), len(chain.tokens)) if chain.tokens[i] in eos)
+                del chain.tokens[cut + 1:], chain.kv[cut + 1:]
+                return

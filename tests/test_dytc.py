@@ -1,0 +1,214 @@
+"""Cascades (vc, hc, vc+hc) and the DyTC router: lossless against AR, and the router's parts in isolation."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from casspec.engine import Request
+from dsia.errors import CasspecError
+from dytc.acceptance import PLD, AcceptanceConfig, AcceptanceTracker
+from dytc.latency import TARGET, FeatureSpec, LatencyModel, Point
+from dytc.ngram import PromptLookup
+from dytc.policies import DraftContext
+from dytc.router import DyTC, RouterConfig, _Node
+from dytc.sampling import SamplingParams, warp
+from dytc.tree import DraftTree
+from test_verify import chi2_p
+from tiny import ARCHS, tiny_engine
+
+LEVEL_SETS = [("int4",), ("int8", "int4"), ("skip0.3",), ("exit2", "int8"), ("int8+sparse0.5", "vocab"),
+              ("int4", "skip0.3")]
+HC_SETS = [("int8*2", "int4*2", "pld*3"), ("skip0.3*3", "pld*4"), ("pld*2", "int4*3"), ("exit2*2", "int8*3")]
+
+
+@functools.lru_cache(maxsize=None)
+def engine(arch: str, seed: int):
+    return tiny_engine(arch, seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 2), method=st.sampled_from(["vc", "dytc", "hc", "vc+hc"]),
+       which=st.integers(0, 5), prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24), n=st.integers(1, 40))
+def test_greedy_cascades_and_dytc_equal_ar(arch, seed, method, which, prompt, n):
+    e = engine(arch, seed)
+    prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that prompt lookup finds matches
+    levels = HC_SETS[which % len(HC_SETS)] if method in ("hc", "vc+hc") else LEVEL_SETS[which]
+    ar = e.generate_ids(prompt, Request(max_new_tokens=n))
+    spec = e.generate_ids(prompt, Request(max_new_tokens=n, method=method, levels=levels))
+    assert spec.token_ids == ar.token_ids
+    assert spec.stats.new_tokens <= n
+
+
+def test_dytc_near_the_context_end_and_with_eos():
+    e = tiny_engine("llama", 1, max_context=40)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    ar = e.generate_ids(prompt, Request(max_new_tokens=100))
+    for method in ("dytc", "vc", "hc"):
+        spec = e.generate_ids(prompt, Request(max_new_tokens=100, method=method))
+        assert spec.token_ids == ar.token_ids, method
+        assert spec.stats.finish_reason == ar.stats.finish_reason
+
+
+@pytest.mark.parametrize("method", ["dytc", "vc", "hc"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_p=0.9),
+                                    SamplingParams(temperature=1.0, top_k=6)])
+def test_sampling_follows_the_target(method, params):
+    """The first two emitted tokens of many seeded runs (the second is a drafted one) follow the target's
+    joint distribution (temperature 0.7 / top-p 0.9, and temperature 1 / top-k 6), computed exactly."""
+    e = tiny_engine("llama", 0, vocab=12, layers=2)
+    prompt = [5, 6, 7, 5, 6]
+    with torch.inference_mode():
+        p1 = warp(e.hf_model(torch.tensor([prompt])).logits[0, -1:], params)[0]  # [V]
+        seqs = torch.tensor([prompt + [t] for t in range(12)])
+        p2 = warp(e.hf_model(seqs).logits[:, -1], params)  # [V, V]: second token given the first
+    joint = (p1[:, None] * p2).flatten()  # [V * V]
+    n = 1500
+    obs = torch.zeros(12 * 12)
+    levels = ("int8*2", "pld*2") if method == "hc" else ("int8",)
+    for s in range(n):
+        r = e.generate_ids(prompt, Request(max_new_tokens=2, sampling=params, seed=s, method=method, levels=levels))
+        obs[r.token_ids[0] * 12 + r.token_ids[1]] += 1
+    assert obs[joint == 0].sum() == 0
+    big = joint * n >= 5  # chi-square cells; the rare ones are pooled into one
+    o, x = obs[big].tolist(), (joint[big] * n).tolist()
+    if joint[~big].sum() > 0:
+        o, x = o + [float(obs[~big].sum())], x + [float(joint[~big].sum() * n)]
+    assert chi2_p(o, x) > 0.001
+
+
+def test_bad_levels_get_clear_errors():
+    with pytest.raises(CasspecError, match="SOURCE\\*K"):
+        Request(method="hc", levels=("int4",))
+    with pytest.raises(CasspecError, match="without \\*K"):
+        Request(method="dytc", levels=("int4*3",))
+    with pytest.raises(CasspecError, match="prompt lookup at the bottom"):
+        Request(method="vc", levels=("int4", "pld"))
+    with pytest.raises(CasspecError, match="one level"):
+        Request(method="sd", levels=("int4",))
+    with pytest.raises(CasspecError):
+        Request(method="dytc", levels=("int5",))
+
+
+# ---------------------------------------------------------------------------------------------- moving averages
+def test_moving_average_follows_lambda():
+    cfg = AcceptanceConfig(lam=0.7, window=3, shrink=10.0)
+    tr = AcceptanceTracker(cfg)
+    key = ("int4", tr.bucket("int4", 0.95))
+    a0 = tr.estimate("int4", 0.95)  # the prior: the bucket's mid-point
+    tr.update([("int4", 0.95, True), ("int4", 0.95, False)])  # this step: 1 of 2
+    assert tr.rates[key] == pytest.approx(0.7 * a0 + 0.3 * 0.5)
+    assert tr.overall["int4"] == pytest.approx(0.7 * cfg.prior_level + 0.3 * 0.5)
+    # a bucket's estimate is shrunk toward the source average by `shrink` pseudo-tokens
+    assert tr.estimate("int4", 0.95) == pytest.approx((2 * tr.rates[key] + 10 * tr.overall["int4"]) / 12)
+    assert tr.estimate("int4", 0.05) == tr.overall["int4"]  # an unseen bucket starts from the source average
+    # the recent rate is counted over the last `window` steps: 1 of 2, then 2 of 2 -> 3 of 4
+    prev = tr.rates[key]
+    tr.update([("int4", 0.95, True), ("int4", 0.95, True)])
+    assert tr.rates[key] == pytest.approx(0.7 * prev + 0.3 * 0.75)
+    for _ in range(40):
+        tr.update([("int4", 0.95, False)])
+    assert tr.rates[key] == pytest.approx(cfg.floor)
+    assert tr.estimate(PLD, 3) == pytest.approx(0.75)  # prior: match length n -> n / (n + 1)
+    assert tr.counts["int4"] == [44, 3]
+
+
+def _lookup_reference(hist: list[int], extra: list[int], k: int, eos: int, max_ngram: int = 3) -> list[int]:
+    """Brute force: the longest suffix n-gram of hist + extra with an occurrence in hist followed by a hist token;
+    copy after its leftmost occurrence, cut before EOS (an empty cut proposes nothing, as in HF)."""
+    full, L = hist + extra, len(hist)
+    for n in range(min(max_ngram, len(full)), 0, -1):
+        for start in range(L - n):
+            if hist[start:start + n] == full[-n:]:
+                out = hist[start + n:start + n + k]
+                return out[:out.index(eos)] if eos in out else out
+    return []
+
+
+@settings(max_examples=100, deadline=None)
+@given(hist=st.lists(st.integers(0, 5), min_size=1, max_size=40), extra=st.lists(st.integers(0, 5), max_size=4))
+def test_propose_after_matches_a_brute_force_lookup(hist, extra):
+    lookup = PromptLookup(hist, eos_ids={0})
+    out, n = lookup.propose_after(extra, 5)
+    assert out == _lookup_reference(hist, extra, 5, eos=0)
+    assert (n > 0) == bool(out)
+    if not extra:
+        assert out == lookup.propose(5)[0]
+
+
+# ---------------------------------------------------------------------------------------------- the router
+def _latency(target_ms: float, level_ms: float, per_token: float = 1.0) -> LatencyModel:
+    """A predictor fitted on exact synthetic timings: ms = base + per_token * (T - 1)."""
+    pts = [Point(name, t, c, tree, base + per_token * (t - 1)) for name, base in ((TARGET, target_ms),
+                                                                                   ("int4", level_ms))
+           for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) for c in (64, 128) for tree in (False, True)]
+    return LatencyModel.fit(FeatureSpec(), pts)
+
+
+def _router(e, latency: LatencyModel, cfg: RouterConfig = RouterConfig(levels=("int4",), use_pld=False)):
+    router = DyTC([e.levels.get("int4")], latency, AcceptanceTracker(), cfg)
+    prompt = [5, 6, 7, 8, 9, 10]
+    e.cache.rollback(0)
+    e.extend_prefix(prompt)
+    ctx = DraftContext(e.model, e.cache, prompt + [11], SamplingParams(), None, e.eos_ids, budget=50)
+    router.begin(ctx)
+    return router, ctx
+
+
+def test_objective_picks_the_best_throughput_segment():
+    e = tiny_engine("llama", 0)
+    lat = _latency(50.0, 10.0)
+    router, ctx = _router(e, lat)
+    router._costs(ctx.cache.length, 32)
+    router.tree = DraftTree.root(11)
+    router.nodes = [_Node("root", 1.0, 1.0, 0)]
+    router.spent = 0.0
+    act = router._best_action(ctx, 32)
+    a = router.tracker.mean("int4")
+    V, c = router.verify_ms, router.level_ms["int4"]
+    rates = []
+    for k in range(1, RouterConfig.lookahead + 1):
+        gain = sum(a ** i for i in range(1, k + 1))
+        rates.append((1 + gain) / (c[1] * k + V[1 + k]))  # root pending (1 token), then k - 1 more forwards
+    assert act.source == "int4" and act.node == 0
+    assert act.k == int(np.argmax(rates)) + 1
+    assert act.rate == pytest.approx(max(rates), rel=1e-9)
+
+
+def test_leaf_selection_takes_the_most_probable_node():
+    e = tiny_engine("llama", 0)
+    router, ctx = _router(e, _latency(50.0, 10.0), RouterConfig(levels=("int4",), use_pld=False, expand_candidates=1))
+    router._costs(ctx.cache.length, 32)
+    router.tree = DraftTree.root(11)
+    router.nodes = [_Node("root", 1.0, 1.0, 0)]
+    for tok, p in ((12, 0.3), (13, 0.6)):
+        router.tree.add(0, tok)
+        router.nodes.append(_Node("int4", 0.5, p, 1))
+    router.tree.add(1, 14)
+    router.nodes.append(_Node("int4", 0.5, 0.1, 2))
+    router.spent = 0.0
+    act = router._best_action(ctx, 32)
+    assert act.node == 2  # leaves: 2 (p 0.6) and 3 (p 0.1); the root is no leaf and has no known distribution
+
+
+def test_fallback_to_ar_when_drafting_cannot_pay():
+    e = tiny_engine("llama", 0)
+    cfg = RouterConfig(levels=("int4",), use_pld=False, explore_every=2)
+    router, ctx = _router(e, _latency(50.0, 80.0, per_token=20.0), cfg)  # a draft forward costs more than a step
+    sizes = [len(router.draft(ctx)) for _ in range(3)]
+    assert sizes[:2] == [1, 1] and sizes[2] > 1  # two fallbacks, then one exploring tree
+    assert router.report()["fallback_steps"] == 2
+    router2, ctx2 = _router(e, _latency(50.0, 5.0, per_token=0.1), cfg)  # a cheap level: it drafts
+    assert len(router2.draft(ctx2)) > 1
+    assert router2.report()["fallback_steps"] == 0
+
+
+def test_no_fallback_option_always_drafts():
+    e = tiny_engine("llama", 0)
+    cfg = RouterConfig(levels=("int4",), use_pld=False, fallback=False)
+    router, ctx = _router(e, _latency(50.0, 80.0, per_token=20.0), cfg)
+    assert all(len(router.draft(ctx)) > 1 for _ in range(3))

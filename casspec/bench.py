@@ -21,10 +21,12 @@ from tqdm import tqdm
 from dsia.errors import CasspecError
 
 from dsia.levels import LevelConfig
+from dytc.sampling import SamplingParams
 
-from .engine import METHODS, Engine, Request
+from .engine import METHODS, MULTI_LEVEL, Engine, Request, parse_sources
 
 BASELINE = "hf-ar"
+SAMPLING_SEED = 0  # seed of every sampled generation (so that repeats reproduce their tokens)
 HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}  # HF generate kwargs per method
 BENCH_METHODS = tuple(HF_METHODS) + METHODS
 
@@ -80,16 +82,32 @@ def read_questions(path: str | Path, limit: int | None = None) -> list[Question]
     return questions
 
 
+def method_request(method: str, level: str = "int4", max_new_tokens: int = 128,
+                   sampling: SamplingParams = SamplingParams(), seed: int | None = None) -> Request:
+    """The Request of a bench method spec: `sd:int8`, `tree:skip0.4` (one level), `dytc:int4/int8`, `vc:int4`
+    (levels, strongest first), `hc:int4*4/int4+vocab*3/pld*3` (segments)."""
+    name, _, spec = method.partition(":")
+    if name in MULTI_LEVEL:
+        levels = tuple(spec.split("/")) if spec else ()
+        return Request(max_new_tokens=max_new_tokens, method=name, levels=levels, sampling=sampling, seed=seed)
+    return Request(max_new_tokens=max_new_tokens, method=name, level=spec or level, sampling=sampling, seed=seed)
+
+
 def parse_methods(spec: str | Sequence[str]) -> list[str]:
-    """Method names, baseline first. A single-level method may name its level: `sd:int8`, `tree:skip0.4`."""
+    """Method names, baseline first. A method may name its level(s): `sd:int8`, `dytc:int4/int8`, `hc:int4*4/pld*3`."""
     names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
     unknown = [m for m in names if m.split(":")[0] not in BENCH_METHODS or (":" in m and m.split(":")[0] in HF_METHODS)]
     if unknown or not names:
         raise CasspecError(f"unknown method(s) {', '.join(unknown) or '(none given)'}: "
-                           f"use any of {', '.join(BENCH_METHODS)} (sd and tree take a level: sd:int8)")
+                           f"use any of {', '.join(BENCH_METHODS)} (sd and tree take a level: sd:int8; "
+                           "vc and dytc levels: dytc:int4/int8; hc segments: hc:int4*4/pld*3)")
     for m in names:
         if ":" in m:
-            LevelConfig.parse(m.split(":", 1)[1])
+            name, _, lv = m.partition(":")
+            if name in MULTI_LEVEL:
+                parse_sources(name, lv.split("/"))
+            else:
+                LevelConfig.parse(lv)
     if BASELINE in names:
         names.remove(BASELINE)
     return [BASELINE] + list(dict.fromkeys(names))  # the baseline always runs, first
@@ -100,39 +118,44 @@ TurnFn = Callable[[list[int], int], tuple[list[int], int, dict]]
 STAT_SUMS = ("prefill_seconds", "draft_seconds", "verify_seconds", "draft_forwards", "tree_nodes")
 
 
-def _hf_runner(engine: Engine, kwargs: dict) -> TurnFn:
+def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams) -> TurnFn:
     model = engine.hf_model
     calls = [0]
     model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     eos = sorted(engine.eos_ids)
+    if sampling.greedy:
+        decoding = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        decoding = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
 
     @torch.inference_mode()
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int, dict]:
         x = torch.tensor([ids], device=engine.device)
         calls[0] = 0
+        torch.manual_seed(SAMPLING_SEED)
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None,
-                             eos_token_id=eos, pad_token_id=eos[0], **kwargs)
+                             eos_token_id=eos, pad_token_id=eos[0], **decoding, **kwargs)
         return out[0, len(ids):].tolist(), calls[0], {}
 
     return run
 
 
-def _engine_runner(engine: Engine, method: str, level: str) -> TurnFn:
-    name, _, own_level = method.partition(":")
-
+def _engine_runner(engine: Engine, method: str, level: str, sampling: SamplingParams) -> TurnFn:
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int, dict]:
-        res = engine.generate_ids(ids, Request(max_new_tokens=max_new_tokens, method=name, level=own_level or level))
+        req = method_request(method, level, max_new_tokens, sampling, seed=None if sampling.greedy else SAMPLING_SEED)
+        res = engine.generate_ids(ids, req)
         st = res.stats
-        return res.token_ids, st.target_forwards, {k: getattr(st, k) for k in STAT_SUMS + ("accepted_by_depth",)}
+        return res.token_ids, st.target_forwards, {k: getattr(st, k) for k in STAT_SUMS + ("accepted_by_depth",
+                                                                                           "policy")}
 
     return run
 
 
-def make_runner(engine: Engine, method: str, level: str = "int4") -> TurnFn:
+def make_runner(engine: Engine, method: str, level: str = "int4",
+                sampling: SamplingParams = SamplingParams()) -> TurnFn:
     if method in HF_METHODS:
-        return _hf_runner(engine, HF_METHODS[method])
-    return _engine_runner(engine, method, level)
+        return _hf_runner(engine, HF_METHODS[method], sampling)
+    return _engine_runner(engine, method, level, sampling)
 
 
 def run_question(engine: Engine, run: TurnFn, q: Question, max_new_tokens: int, answer: Answer | None) -> Answer:
@@ -163,7 +186,8 @@ def run_question(engine: Engine, run: TurnFn, q: Question, max_new_tokens: int, 
     return answer
 
 
-def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: int, dtype: str) -> dict:
+def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: int, dtype: str,
+              sampling: SamplingParams = SamplingParams()) -> dict:
     def speeds(ans: list[Answer]) -> dict[str, list[float]]:
         by: dict[str, list[float]] = {}
         for a in ans:
@@ -178,13 +202,17 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
         tps = statistics.fmean(a.speed() for a in ans)
         tokens = sum(sum(a.new_tokens) for a in ans)
         forwards = sum(sum(a.forwards) for a in ans)
-        identical = None if name == BASELINE else all(
+        identical = None if name == BASELINE or not sampling.greedy else all(
             a.token_ids == b.token_ids for a, b in zip(ans, base, strict=True))
+        first_diff = None if identical is not False else [
+            (a.question_id, next(i for i, (x, y) in enumerate(zip(ta + [None], tb + [None])) if x != y))
+            for a, b in zip(ans, base) for ta, tb in zip(a.token_ids, b.token_ids) if ta != tb]
         methods[name] = {
             "tokens_per_s": tps,
             "speedup": tps / base_tps if base_tps else 0.0,
             "mean_accepted_tokens": tokens / forwards if forwards else 0.0,
             "identical_to_baseline": identical,
+            "differing_turns": first_diff,  # (question id, first differing token index) per differing turn
             "questions": len(ans),
             "by_category": {c: {"tokens_per_s": statistics.fmean(v), "speedup": statistics.fmean(v) / base_cat[c]}
                             for c, v in speeds(ans).items()},
@@ -193,7 +221,7 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
         }
         methods[name].update(_engine_stats(ans))
     return {"model": engine.name, "device": str(engine.device), "dtype": dtype, "max_new_tokens": max_new_tokens,
-            "baseline": BASELINE, "methods": methods}
+            "sampling": vars(sampling), "baseline": BASELINE, "methods": methods}
 
 
 def _engine_stats(ans: list[Answer]) -> dict:
@@ -210,6 +238,22 @@ def _engine_stats(ans: list[Answer]) -> dict:
                for d in range(depth)]
     out["acceptance_by_depth"] = [r / steps for r in reached] if steps else []
     out["mean_tree_nodes"] = out["tree_nodes"] / steps if steps else 0.0
+    reports = [st["policy"] for st in turns if st.get("policy")]
+    if reports:  # dytc: fallbacks, tokens and acceptance per source, predicted vs measured draft time
+        pol: dict = {k: sum(r[k] for r in reports) for k in ("steps", "fallback_steps", "predicted_draft_ms",
+                                                             "measured_draft_ms")}
+        tested: dict[str, int] = {}
+        accepted: dict[str, float] = {}
+        drafted: dict[str, int] = {}
+        for r in reports:
+            for src, n in r["tested_by_source"].items():
+                tested[src] = tested.get(src, 0) + n
+                accepted[src] = accepted.get(src, 0) + n * r["acceptance_by_source"][src]
+            for src, n in r["drafted_by_source"].items():
+                drafted[src] = drafted.get(src, 0) + n
+        pol["drafted_by_source"] = drafted
+        pol["acceptance_by_source"] = {s: round(accepted[s] / n, 4) for s, n in tested.items() if n}
+        out["policy"] = pol
     return out
 
 
@@ -217,6 +261,8 @@ def format_table(summary: dict) -> str:
     rows = [("method", "tokens/s", "speedup", "MAT", "identical", "questions", "draft s / verify s")]
     for name, m in summary["methods"].items():
         ident = "-" if m["identical_to_baseline"] is None else str(m["identical_to_baseline"]).lower()
+        if m.get("differing_turns"):
+            ident += f" ({len(m['differing_turns'])} turns differ)"
         split = f"{m['draft_seconds']:.1f} / {m['verify_seconds']:.1f}" if "draft_seconds" in m else "-"
         rows.append((name, f"{m['tokens_per_s']:.2f}", f"{m['speedup']:.3f}", f"{m['mean_accepted_tokens']:.2f}",
                      ident, str(m["questions"]), split))
@@ -229,7 +275,8 @@ def format_table(summary: dict) -> str:
 
 
 def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str], max_new_tokens: int,
-              out_dir: str | Path, dtype: str, repeats: int = 1, progress: bool = True, level: str = "int4") -> dict:
+              out_dir: str | Path, dtype: str, repeats: int = 1, progress: bool = True, level: str = "int4",
+              sampling: SamplingParams = SamplingParams()) -> dict:
     """Run every method over every question `repeats` times (median wall time per turn); write the answers,
     summary.json and return the summary."""
     if max_new_tokens < 1:
@@ -238,7 +285,7 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
         raise CasspecError(f"--repeats must be >= 1 (got {repeats})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runners = {m: make_runner(engine, m, level) for m in methods}
+    runners = {m: make_runner(engine, m, level, sampling) for m in methods}
     for m, run in runners.items():  # warm-up: one short untimed generation per method
         run(engine.encode([{"role": "user", "content": questions[0].turns[0]}]), min(16, max_new_tokens))
     answers: dict[str, list[Answer]] = {m: [] for m in methods}
@@ -263,7 +310,7 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
                                                  "wall_time": [statistics.median(w) for w in a.wall_time],
                                                  "wall_time_repeats": a.wall_time, "forwards": a.forwards,
                                                  "token_ids": a.token_ids}]}) + "\n")
-    summary = summarize(engine, answers, max_new_tokens, dtype)
+    summary = summarize(engine, answers, max_new_tokens, dtype, sampling)
     summary["repeats"] = repeats
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from dsia.errors import CasspecError
@@ -31,8 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     g.add_argument("prompt")
     _common(g)
-    g.add_argument("--method", default="ar", help=f"decoding method: {', '.join(METHODS)}")
+    g.add_argument("--method", default="dytc", help=f"decoding method: {', '.join(METHODS)} (default dytc)")
     g.add_argument("--level", default="int4", help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
+    g.add_argument("--levels", default=None, help="comma-separated sources of vc / dytc (e.g. int4,int8) or hc "
+                   "segments (e.g. int4*4,int4+vocab*3,pld*3); default: the method's own")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -49,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="first N questions only")
     b.add_argument("--level", default="int4", help="draft level of sd / tree (or per method: sd:int8)")
     b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (sampled runs are seeded)")
+    b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--out", default="bench-out", help="output folder")
     b.add_argument("--no-progress", action="store_true")
     _common(b)
@@ -66,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--levels", default=None, help="comma-separated level names (default: a standard set)")
     pr.add_argument("--quick", action="store_true", help="a reduced grid (under a minute)")
     pr.add_argument("--out", required=True, help="profile JSON to write, e.g. profiles/NAME.json")
+    pr.add_argument("--refit", action="store_true", help="re-fit the predictor of the existing --out profile from "
+                    "its stored grid (no measuring)")
     pr.add_argument("--plot", action="store_true", help="also write a PNG beside the JSON")
     pr.add_argument("--no-progress", action="store_true")
     _common(pr)
@@ -79,13 +86,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise CasspecError("the prompt is empty: pass some text")
+    levels = tuple(x.strip() for x in args.levels.split(",") if x.strip()) if args.levels else ()
     # validate everything before the (slow) load
     Request(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-            stop=tuple(args.stop), seed=args.seed, method=args.method, level=args.level)
+            stop=tuple(args.stop), seed=args.seed, method=args.method, level=args.level, levels=levels)
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
     pieces = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, stop=args.stop, seed=args.seed,
-                             method=args.method, level=args.level, stream=True,
+                             method=args.method, level=args.level, levels=levels, stream=True,
                              chat=False if args.no_chat else None)
     for piece in pieces:
         sys.stdout.write(piece)
@@ -97,6 +105,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from dytc.sampling import SamplingParams
+
     from .bench import format_table, parse_methods, read_questions, run_bench
     from .engine import Engine
 
@@ -106,8 +116,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     summary = run_bench(engine, questions, methods, args.max_new_tokens, args.out, args.dtype,
-                        repeats=args.repeats, progress=not args.no_progress, level=args.level)
+                        repeats=args.repeats, progress=not args.no_progress, level=args.level, sampling=sampling)
     print(format_table(summary))
     print(f"answers and summary.json in {args.out}", file=sys.stderr)
     return 0
@@ -134,6 +145,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .profile import check_out, config_for, format_profile, profile, write_profile
 
+    if args.refit:
+        import json
+
+        from .profile import refit
+
+        try:
+            prof = refit(json.loads(Path(args.out).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CasspecError(f"cannot re-fit {args.out!r} ({e.__class__.__name__}: {e}): pass a profile JSON "
+                               "written by casspec profile") from None
+        print(format_profile(prof))
+        print(f"wrote {', '.join(map(str, write_profile(prof, args.out, args.plot)))}", file=sys.stderr)
+        return 0
     cfg = config_for(args.quick, args.levels)
     check_out(args.out)
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)

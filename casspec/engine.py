@@ -208,12 +208,13 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, stop: Sequence[str] | None = None, seed: int | None = None, method: str = "ar",
-                 level: str = "int4", stream: bool = False, chat: bool | None = None) -> Result | Iterator[str]:
+                 top_k: int = 0, stop: Sequence[str] | None = None, seed: int | None = None, method: str = "dytc",
+                 level: str = "int4", levels: Sequence[str] = (), stream: bool = False,
+                 chat: bool | None = None) -> Result | Iterator[str]:
         """Generate from a prompt. Returns a Result, or with stream=True an iterator of text pieces (the pieces
         concatenate to the final text; the Result is then available as `engine.last_result`)."""
         req = Request(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
-                      stop=tuple(stop or ()), seed=seed, method=method, level=level)
+                      stop=tuple(stop or ()), seed=seed, method=method, level=level, levels=tuple(levels))
         ids = self._checked(self.encode(prompt, chat))
         if stream:
             return self._stream(ids, req)
@@ -286,17 +287,27 @@ class Engine:
         if req.method in SINGLE_LEVEL:
             level = self.levels.get(req.level)
             return ChainPolicy(level) if req.method == "sd" else TreePolicy(level)
-        sources = parse_sources(req.method, req.levels)
+        sources = parse_sources(req.method, req.levels) or self.default_sources(req.method)
         if req.method == "dytc":
-            names = tuple(n for n, _ in sources) or RouterConfig.levels
+            names = tuple(n for n, _ in sources)
             tracker = self.trackers.setdefault(names, AcceptanceTracker())  # estimates carry over generations
             return DyTC([self.levels.get(n) for n in names], self.latency, tracker, RouterConfig(levels=names))
         if req.method == "vc":
-            names = tuple(n for n, _ in sources) or ("int4",)
-            return Cascade.vc([self.levels.get(n) for n in names])
-        segments = sources or list(CascadeConfig.hc_segments)
+            return Cascade.vc([self.levels.get(n) for n, _ in sources])
+        segments = sources
         levels = {n: self.levels.get(n) for n, _ in segments if n != PLD}
         return Cascade.hc(levels, segments, vertical=req.method == "vc+hc")
+
+    def default_sources(self, method: str) -> list[tuple[str, int]]:
+        """The levels (and hc segments) of a multi-level method when the request names none. On the CPU the int4
+        kernels are the cheapest drafts; on a GPU a small model's forward costs its kernel launches, whatever the
+        weights' precision, so fewer layers (a skip level) is what makes a draft cheaper there."""
+        cpu = self.device.type == "cpu"
+        if method == "dytc":
+            return [(n, 0) for n in (RouterConfig.levels if cpu else ("skip0.4",))]
+        if method == "vc":
+            return [("int4" if cpu else "skip0.4", 0)]
+        return list(CascadeConfig.hc_segments) if cpu else [("skip0.4", 4), (PLD, 4)]
 
     @torch.inference_mode()
     def _decode(self, prompt_ids: list[int], req: Request, stats: Stats) -> Iterator[list[int]]:

@@ -158,6 +158,19 @@ def profile(engine: Engine, cfg: ProfileConfig = ProfileConfig(), progress: bool
     }
 
 
+def refit(prof: dict) -> dict:
+    """The profile with its predictor re-fitted on its own stored grid (same held-out points), e.g. after the
+    predictor changed; the measurements are not repeated."""
+    points = [Point(p["level"], p["tokens"], p["context"], p["tree"], p["ms"]) for p in prof["grid"]]
+    train = [p for p, g in zip(points, prof["grid"]) if not g["heldout"]]
+    held = [p for p, g in zip(points, prof["grid"]) if g["heldout"]]
+    old = LatencyModel.from_json(prof["predictor"])
+    weight_bytes = {n: f.weight_bytes for n, f in old.levels.items() if f.weight_bytes is not None}
+    predictor = LatencyModel.fit(old.spec, train, weight_bytes=weight_bytes)
+    return dict(prof, predictor=predictor.to_json(), heldout_mape=heldout_mape(predictor, held),
+                refitted=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
 def plot_profile(prof: dict, path: str | Path, n_contexts: int = 3) -> None:
     """Latency vs tokens per level (chain mask) at a few context lengths: measurements and the fit."""
     import matplotlib

@@ -7,10 +7,13 @@ One Bayesian linear regression per level on roofline-style features of (T, C):
 - piecewise-linear hinges max(0, T - k) at knots k = 1, 2, 3, 4, 6, 8, ... 48 and a tree-mask term, so that
   non-monotone shapes (on a float32 CPU a forward over 2-4 tokens can cost more than over 8) are captured, and a
   knot the grid never reached (its weight stays at the prior's 0) just continues the line (no jump).
-The prior hyperparameters (noise and weight precisions) come from scikit-learn's `BayesianRidge` (evidence
-maximisation) on standardised features; the posterior (precision matrix P, vector b: mean = P^-1 b) is kept
-explicitly, so it serialises as plain JSON and refines online by a recursive Bayesian update with exponential
-forgetting (`observe`). Prediction: mean = z . m, variance = 1/alpha + z^T P^-1 z.
+Timing noise on a shared machine is multiplicative (a busy neighbour slows a 10 ms and a 100 ms forward alike),
+and what the router needs is relative accuracy, so each point is weighted by (ref / ms)^2 (ref: the level's
+mean measured ms), i.e. the fit minimises squared relative error. The prior hyperparameters (noise and weight
+precisions) come from scikit-learn's `BayesianRidge` (evidence maximisation) on standardised features; the
+posterior (precision matrix P, vector b: mean = P^-1 b) is kept explicitly, so it serialises as plain JSON and
+refines online by a recursive Bayesian update with exponential forgetting (`observe`, same weighting).
+Prediction: mean = z . m, variance = (mean / ref)^2 / alpha + z^T P^-1 z.
 
 Profiles (JSON files written by `casspec profile`) are matched to the machine, model and dtype by
 `select_profile`; a profile measured elsewhere is never used silently.
@@ -88,6 +91,10 @@ class LevelFit:
     b: list[float]  # [F+1] posterior mean = P^-1 b
     n: int = 0  # observations absorbed (profile points + online)
     weight_bytes: int | None = None  # bytes of weights the level reads per forward, for reference
+    ref_ms: float | None = None  # points weigh (ref_ms / ms)^2 (relative-error fit); None = unweighted
+
+    def weight(self, ms: float) -> float:
+        return 1.0 if self.ref_ms is None else (self.ref_ms / max(ms, 1e-6)) ** 2
 
     def design(self, x: np.ndarray) -> np.ndarray:
         """raw features [N, F] -> [N, F+1] standardised, with the intercept column first."""
@@ -102,15 +109,17 @@ class LevelFit:
         z = self.design(x)
         P = np.asarray(self.P)
         mean = z @ np.linalg.solve(P, np.asarray(self.b))
-        var = 1.0 / self.alpha + np.einsum("nf,fn->n", z, np.linalg.solve(P, z.T))
+        noise = 1.0 / self.alpha if self.ref_ms is None else (np.abs(mean) / self.ref_ms) ** 2 / self.alpha
+        var = noise + np.einsum("nf,fn->n", z, np.linalg.solve(P, z.T))
         return mean, np.sqrt(np.maximum(var, 0.0))
 
     def update(self, x: np.ndarray, ms: float, forget: float) -> None:
         """Recursive Bayesian update with one observation; older data decays by `forget`."""
         z = self.design(x[None])[0]
         prior = np.diag(self.prior)
-        P = prior + forget * (np.asarray(self.P) - prior) + self.alpha * np.outer(z, z)
-        b = forget * np.asarray(self.b) + self.alpha * ms * z
+        w = self.alpha * self.weight(ms)
+        P = prior + forget * (np.asarray(self.P) - prior) + w * np.outer(z, z)
+        b = forget * np.asarray(self.b) + w * ms * z
         self.P, self.b, self.n = P.tolist(), b.tolist(), self.n + 1
 
 
@@ -125,14 +134,16 @@ def fit_level(spec: FeatureSpec, points: list[Point], cfg: OnlineConfig = Online
     sd[sd < 1e-12] = 1.0  # constant columns stay as they are
     # start the evidence maximisation from "mostly signal": from sklearn's default start (noise = var(y)) it can
     # settle on an all-noise optimum that flattens the hinges
+    ref = float(y.mean())
+    w = (ref / np.maximum(y, 1e-6)) ** 2  # [N] relative-error weights
     br = BayesianRidge(fit_intercept=True, max_iter=1000, alpha_init=100.0 / max(float(np.var(y)), 1e-12),
-                       lambda_init=1e-3).fit((x - mu) / sd, y)
+                       lambda_init=1e-3).fit((x - mu) / sd, y, sample_weight=w)
     prior = [cfg.intercept_precision] + [float(br.lambda_)] * x.shape[1]
     fit = LevelFit(mu=mu.tolist(), sd=sd.tolist(), alpha=float(br.alpha_), prior=prior, P=np.diag(prior).tolist(),
-                   b=[0.0] * (x.shape[1] + 1))
+                   b=[0.0] * (x.shape[1] + 1), ref_ms=ref)
     z = fit.design(x)
-    fit.P = (np.diag(prior) + fit.alpha * z.T @ z).tolist()
-    fit.b = (fit.alpha * z.T @ y).tolist()
+    fit.P = (np.diag(prior) + fit.alpha * (z * w[:, None]).T @ z).tolist()
+    fit.b = (fit.alpha * z.T @ (w * y)).tolist()
     fit.n = len(points)
     return fit
 

@@ -24,7 +24,8 @@ def test_logits_parity_on_cuda(arch, dtype, tol):
 
 
 @pytest.mark.parametrize("method,level", [("ar", "int4"), ("pld", "int4"), ("sd", "skip0.3"), ("tree", "exit2"),
-                                          ("sd", "sparse0.5"), ("tree", "vocab")])
+                                          ("sd", "sparse0.5"), ("tree", "vocab"), ("sd", "int8"), ("dytc", "-"),
+                                          ("vc", "-"), ("hc", "-")])
 def test_greedy_methods_equal_ar_on_cuda(method, level):
     hf = tiny_model("llama", seed=0).cuda()
     e = Engine(Loaded(hf, tiny_tokenizer(), "tiny-cuda"))
@@ -34,5 +35,7 @@ def test_greedy_methods_equal_ar_on_cuda(method, level):
     ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, do_sample=False,
                       eos_token_id=sorted(e.eos_ids), pad_token_id=0)[0, len(prompt):].tolist()
     assert ar.token_ids == ref
-    spec = e.generate_ids(prompt, Request(max_new_tokens=30, method=method, level=level))
+    req = Request(max_new_tokens=30, method=method, level=level) if level != "-" else \
+        Request(max_new_tokens=30, method=method)  # multi-level methods: their GPU default levels
+    spec = e.generate_ids(prompt, req)
     assert spec.token_ids == ar.token_ids

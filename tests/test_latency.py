@@ -2,7 +2,9 @@
 import json
 
 import pytest
+import torch
 
+from dsia.errors import CasspecError
 from dytc.latency import (TARGET, FeatureSpec, LatencyModel, Point, heldout_mape, load_predictor, select_profile,
                           split_heldout)
 
@@ -37,7 +39,7 @@ def test_fit_and_json_round_trip_predict_the_same():
 def test_online_observations_move_predictions_toward_injected_timings():
     model = LatencyModel.fit(SPEC, synthetic())
     before, _ = model.predict_ms(TARGET, 8, 512)
-    for _ in range(60):
+    for _ in range(150):
         for T in (4, 8, 16):
             model.observe(TARGET, T, 512, 50.0)
     after, _ = model.predict_ms(TARGET, 8, 512)
@@ -110,3 +112,18 @@ def test_profile_command_rejects_a_bad_out_before_loading(tmp_path, capsys):
     assert main(["profile", "--levels", "int3", "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert ".json" in err and "unknown level" in err
+
+
+def test_random_weight_shapes_for_profiling():
+    from casspec.engine import Engine
+    from casspec.loading import EMBEDDED_NAME, load
+
+    e = Engine(load("random:smollm2-135m"), max_context=64)
+    assert e.name == EMBEDDED_NAME  # a profile of the shape is picked up by the real model's engine
+    assert e.model.spec.n_layers == 30 and e.model.spec.vocab_size == 49152
+    logits = e.extend_prefix([1, 2, 3])
+    assert logits.shape == (1, 49152) and torch.isfinite(logits).all()
+    with pytest.raises(CasspecError, match="no tokenizer"):
+        e.encode("hello")
+    with pytest.raises(CasspecError, match="unknown random-weight shape"):
+        load("random:gpt-9")

@@ -60,7 +60,7 @@ class RouterConfig:
     use_pld: bool = True  # prompt lookup as the zero-cost bottom source
     max_nodes: int = 32  # most tree nodes verified, root included
     lookahead: int = 10  # longest segment k valued when a level extends a node
-    expand_candidates: int = 4  # most probable expandable nodes considered each round
+    expand_candidates: int = 4  # most probable expandable leaves, and inner nodes, considered each round
     top_k: int = 4  # tokens of a level's distribution kept per node it ran (sibling candidates)
     pld_tokens: int = 10  # most prompt-lookup tokens attached at once
     review_tokens: int = 6  # most prompt-lookup tokens a level's forward reviews at once
@@ -227,7 +227,7 @@ class DyTC(Policy):
             has_child[self.tree.parents[c]] = True
         order = sorted(range(N), key=lambda i: -self.nodes[i].p)
         best: _Action | None = None
-        seen = 0
+        seen = {True: 0, False: 0}  # expandable leaves / inner nodes (sibling offers) considered so far
         for n in order:
             nd = self.nodes[n]
             if nd.depth >= max_depth or self.tree.tokens[n] in ctx.eos_ids and n != 0:
@@ -277,8 +277,8 @@ class DyTC(Policy):
                         rate = (E + gain) / (D + V[N + k])
                         if best is None or rate > best.rate:
                             best = _Action(rate, n, PLD, k)
-            seen += options > 0
-            if seen >= cfg.expand_candidates:
+            seen[has_child[n]] += options > 0
+            if min(seen.values()) >= cfg.expand_candidates:
                 break
         return best
 

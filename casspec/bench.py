@@ -21,11 +21,17 @@ from tqdm import tqdm
 from dsia.errors import CasspecError
 
 from dsia.levels import LevelConfig
+from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 
 from .engine import METHODS, MULTI_LEVEL, Engine, Request, parse_sources
 
 BASELINE = "hf-ar"
+# dytc ablations: `dytc~nopld` without prompt lookup, `dytc~const` with the latency predictor replaced by constant
+# costs (verification 1 step whatever its size, a draft forward 0.3 step), `dytc~nofallback` never verifying the root
+# alone
+DYTC_VARIANTS = {"nopld": RouterConfig(use_pld=False), "const": RouterConfig(constant_cost=0.3),
+                 "nofallback": RouterConfig(fallback=False)}
 SAMPLING_SEED = 0  # seed of every sampled generation (so that repeats reproduce their tokens)
 HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}  # HF generate kwargs per method
 BENCH_METHODS = tuple(HF_METHODS) + METHODS
@@ -85,25 +91,36 @@ def read_questions(path: str | Path, limit: int | None = None) -> list[Question]
 def method_request(method: str, level: str = "int4", max_new_tokens: int = 128,
                    sampling: SamplingParams = SamplingParams(), seed: int | None = None) -> Request:
     """The Request of a bench method spec: `sd:int8`, `tree:skip0.4` (one level), `dytc:int4/int8`, `vc:int4`
-    (levels, strongest first), `hc:int4*4/int4+vocab*3/pld*3` (segments)."""
+    (levels, strongest first), `hc:int4*4/int4+vocab*3/pld*3` (segments); `dytc~VARIANT` (DYTC_VARIANTS)."""
     name, _, spec = method.partition(":")
+    name, _, variant = name.partition("~")
     if name in MULTI_LEVEL:
         levels = tuple(spec.split("/")) if spec else ()
-        return Request(max_new_tokens=max_new_tokens, method=name, levels=levels, sampling=sampling, seed=seed)
+        router = DYTC_VARIANTS[variant] if variant else None
+        return Request(max_new_tokens=max_new_tokens, method=name, levels=levels, sampling=sampling, seed=seed,
+                       router=router)
     return Request(max_new_tokens=max_new_tokens, method=name, level=spec or level, sampling=sampling, seed=seed)
 
 
 def parse_methods(spec: str | Sequence[str]) -> list[str]:
     """Method names, baseline first. A method may name its level(s): `sd:int8`, `dytc:int4/int8`, `hc:int4*4/pld*3`."""
     names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
-    unknown = [m for m in names if m.split(":")[0] not in BENCH_METHODS or (":" in m and m.split(":")[0] in HF_METHODS)]
+    def known(m: str) -> bool:
+        name, _, variant = m.split(":")[0].partition("~")
+        if variant:
+            return name == "dytc" and variant in DYTC_VARIANTS
+        return name in BENCH_METHODS and not (":" in m and name in HF_METHODS)
+
+    unknown = [m for m in names if not known(m)]
     if unknown or not names:
         raise CasspecError(f"unknown method(s) {', '.join(unknown) or '(none given)'}: "
                            f"use any of {', '.join(BENCH_METHODS)} (sd and tree take a level: sd:int8; "
-                           "vc and dytc levels: dytc:int4/int8; hc segments: hc:int4*4/pld*3)")
+                           "vc and dytc levels: dytc:int4/int8; hc segments: hc:int4*4/pld*3; dytc variants: "
+                           f"{', '.join('dytc~' + v for v in DYTC_VARIANTS)})")
     for m in names:
         if ":" in m:
             name, _, lv = m.partition(":")
+            name = name.partition("~")[0]
             if name in MULTI_LEVEL:
                 parse_sources(name, lv.split("/"))
             else:
@@ -115,7 +132,8 @@ def parse_methods(spec: str | Sequence[str]) -> list[str]:
 
 # one turn: prompt ids, max new tokens -> (new token ids, target forwards, engine stats or {})
 TurnFn = Callable[[list[int], int], tuple[list[int], int, dict]]
-STAT_SUMS = ("prefill_seconds", "draft_seconds", "verify_seconds", "draft_forwards", "tree_nodes")
+STAT_SUMS = ("prefill_seconds", "draft_seconds", "verify_seconds", "predicted_verify_seconds", "draft_forwards",
+             "tree_nodes")
 
 
 def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams) -> TurnFn:
@@ -153,6 +171,7 @@ def _engine_runner(engine: Engine, method: str, level: str, sampling: SamplingPa
 
 def make_runner(engine: Engine, method: str, level: str = "int4",
                 sampling: SamplingParams = SamplingParams()) -> TurnFn:
+    """A turn runner for a bench method spec (HF baselines or engine methods, see method_request)."""
     if method in HF_METHODS:
         return _hf_runner(engine, HF_METHODS[method], sampling)
     return _engine_runner(engine, method, level, sampling)

@@ -1,4 +1,6 @@
-"""`casspec` command line: generate | bench. Bad input: one error line on stderr, exit status 2."""
+"""`casspec` command line: generate | bench | levels | profile | ablate.
+
+Bad input: one error line on stderr, exit status 2."""
 from __future__ import annotations
 
 import argparse
@@ -76,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--plot", action="store_true", help="also write a PNG beside the JSON")
     pr.add_argument("--no-progress", action="store_true")
     _common(pr)
+
+    ab = sub.add_parser("ablate", help="ablations of levels and cascade algorithms: table, JSON and plots")
+    ab.add_argument("--questions", required=True, help="Spec-Bench-format JSONL file")
+    ab.add_argument("--limit", type=int, default=None, help="first N questions only")
+    ab.add_argument("--max-new-tokens", type=int, default=128)
+    ab.add_argument("--rows", default=None, help="comma-separated bench method specs (default: the full ablation)")
+    ab.add_argument("--out", default="results", help="results folder (finished rows there are skipped)")
+    ab.add_argument("--readme", default=None, help="also write the table and plots into this README's "
+                    "'ablate' section")
+    ab.add_argument("--no-progress", action="store_true")
+    _common(ab)
     return parser
 
 
@@ -167,7 +180,30 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "levels": cmd_levels, "profile": cmd_profile}
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from .ablate import ablate, default_rows, format_results, update_readme
+    from .bench import BASELINE, parse_methods, read_questions
+    from .engine import Engine
+
+    questions = read_questions(args.questions, args.limit)
+    if args.max_new_tokens < 1:
+        raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    rows = parse_methods(args.rows) if args.rows else None
+    if args.readme is not None and not Path(args.readme).is_file():
+        raise CasspecError(f"--readme {args.readme!r} is not a file")
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    rows = rows or default_rows(engine)
+    assert rows[0] == BASELINE
+    summary = ablate(engine, questions, rows, args.max_new_tokens, args.out, args.dtype, progress=not args.no_progress)
+    print(format_results(summary))
+    if args.readme:
+        update_readme(args.readme, summary, Path(args.out))
+    print(f"results.md, results.json and plots in {args.out}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "levels": cmd_levels, "profile": cmd_profile,
+            "ablate": cmd_ablate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -23,9 +23,9 @@ from dytc.latency import TARGET as TARGET_LEVEL
 from dytc.latency import FeatureSpec, LatencyModel, machine_info, select_profile
 from dytc.policies import ChainPolicy, DraftContext, PldPolicy, Policy, TreePolicy
 from dytc.router import DyTC, RouterConfig
-from dytc.sampling import SamplingParams, sample, warp
+from dytc.sampling import SamplingParams, warp
 from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
-from dytc.verify import verify_greedy, verify_sampling
+from dytc.verify import coupled_sample, gumbel_noise, verify_coupled, verify_greedy, verify_sampling
 
 from .loading import Loaded, load
 
@@ -46,6 +46,7 @@ class Request:
     level: str = "int4"  # the draft level of the single-level methods (sd, tree)
     levels: tuple[str, ...] = ()  # sources of vc / dytc (level names, strongest first) and of hc / vc+hc
     # (segments "LEVEL*K" or "pld*K", in chain order); empty = the method's defaults
+    router: RouterConfig | None = None  # dytc's settings (its `levels` are replaced by the request's); None = default
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -139,7 +140,7 @@ class Engine:
         self.eos_ids = self._eos_ids()
         self.levels = LevelRegistry(self.model)  # draft levels, built on first use and reused
         self.latency, self.latency_source = self._latency_model()
-        self.trackers: dict[tuple[str, ...], AcceptanceTracker] = {}  # dytc acceptance estimates, per level set
+        self.trackers: dict[str, AcceptanceTracker] = {}  # dytc acceptance estimates, per router configuration
         self.last_result: Result | None = None  # the Result of the latest generation (also when streamed)
 
     @classmethod
@@ -290,8 +291,9 @@ class Engine:
         sources = parse_sources(req.method, req.levels) or self.default_sources(req.method)
         if req.method == "dytc":
             names = tuple(n for n, _ in sources)
-            tracker = self.trackers.setdefault(names, AcceptanceTracker())  # estimates carry over generations
-            return DyTC([self.levels.get(n) for n in names], self.latency, tracker, RouterConfig(levels=names))
+            cfg = replace(req.router or RouterConfig(), levels=names)
+            tracker = self.trackers.setdefault(repr(cfg), AcceptanceTracker())  # estimates carry over generations
+            return DyTC([self.levels.get(n) for n in names], self.latency, tracker, cfg)
         if req.method == "vc":
             return Cascade.vc([self.levels.get(n) for n, _ in sources])
         segments = sources
@@ -314,16 +316,18 @@ class Engine:
         """Yield blocks of committed tokens until the caller stops or the context window is full."""
         model, cache = self.model, self.cache
         generator = None
+        seed = 0
         if not req.sampling.greedy:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+            seed = req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            generator = torch.Generator(device="cpu")  # draws of drafts sampled from q (sd, tree) and their checks
+            generator.manual_seed(seed)
         cache.rollback(0)
         policy = self.policy(req)
 
         # prefill: the whole prompt in one forward; its last row gives the first token
         t = time.perf_counter()
         logits = self.extend_prefix(prompt_ids)
-        root = self._pick(logits, req.sampling, generator)
+        root = self._pick(logits, req.sampling, seed, len(prompt_ids))
         stats.prefill_seconds = time.perf_counter() - t
         stats.target_forwards = 1
         ctx = DraftContext(model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
@@ -345,7 +349,7 @@ class Engine:
             logits = self._verify_forward(tree)  # verify: one target forward over the whole tree
             verify_ms = (time.perf_counter() - t) * 1e3
             context = cache.length
-            path, bonus = self._accept(tree, logits, req.sampling, generator)  # accept
+            path, bonus = self._accept(tree, logits, req.sampling, generator, seed, context)  # accept
             cache.commit(path)  # update: the accepted path's KV joins the committed prefix
             stats.verify_seconds += time.perf_counter() - t
             self.latency.observe(TARGET_LEVEL, len(tree), context, verify_ms, not chain)
@@ -385,16 +389,21 @@ class Engine:
         mask = None if is_chain(tree.parents) else ancestor_mask(tree.parents, dev)
         return self.model.forward(cache, tokens, pos, cache.length, mask)
 
-    # sampling runs on the CPU with a CPU generator, on any device (a few [N, V] rows per step)
+    # sampling runs on the CPU (a few [N, V] rows per step). Deterministic drafts (ar, pld, vc, hc, dytc) are checked
+    # against position-owned Gumbel noise (dytc.verify.verify_coupled): a seed then gives the same tokens whatever
+    # was drafted. Drafts sampled from q (sd, tree when sampling) go through recursive rejection sampling.
     @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    def _pick(logits: torch.Tensor, sampling: SamplingParams, seed: int, position: int) -> int:
         if sampling.greedy:
             return int(logits[-1].argmax())
-        return int(sample(warp(logits[-1:].cpu(), sampling), generator)[0])
+        return coupled_sample(warp(logits[-1:].cpu(), sampling)[0], gumbel_noise(seed, position, logits.shape[-1]))
 
     @staticmethod
-    def _accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
-                generator: torch.Generator | None) -> tuple[list[int], int]:
+    def _accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+                seed: int, root_position: int) -> tuple[list[int], int]:
         if sampling.greedy:
             return verify_greedy(tree, logits)
-        return verify_sampling(tree, warp(logits.cpu(), sampling), generator)
+        probs = warp(logits.cpu(), sampling)  # [N, V]
+        if all(q is None for q in tree.q):
+            return verify_coupled(tree, probs, seed, root_position)
+        return verify_sampling(tree, probs, generator)

@@ -66,8 +66,8 @@ class RouterConfig:
     review_tokens: int = 6  # most prompt-lookup tokens a level's forward reviews at once
     fallback: bool = True  # verify the root alone when no tree is predicted to beat AR
     explore_every: int = 16  # after this many fallbacks in a row, draft one tree anyway
-    constant_cost: float | None = None  # ablation: every level forward costs this fraction of a target step,
-    # whatever its tokens (None: the fitted latency predictor)
+    constant_cost: float | None = None  # ablation: no latency predictor; a verification costs one target step
+    # whatever its size, a level forward this fraction of it whatever its tokens (None: the fitted predictor)
 
 
 @dataclass
@@ -149,18 +149,20 @@ class DyTC(Policy):
         """Per-step tables: verify ms by node count [n_max + 1], each level's forward ms by token count."""
         T = np.arange(1, n_max + 1)
         lat = self.latency
+        self.level_ms: dict[str, np.ndarray] = {}
+        if self.cfg.constant_cost is not None:  # ablation: no predictor; costs in units of one target step
+            self.verify_ms = np.concatenate([[0.0], np.ones(n_max)])
+            for name in self.levels:
+                self.level_ms[name] = np.concatenate([[0.0], np.full(n_max, self.cfg.constant_cost)])
+            return
         if lat.known(TARGET):
             v = lat.predict_mean(TARGET, T, context, tree=True)
             v[0] = lat.predict_mean(TARGET, T[:1], context, tree=False)[0]
         else:  # nothing measured yet: a flat guess, replaced after the first verification
             v = 50.0 + 1.0 * (T - 1)
         self.verify_ms = np.concatenate([[0.0], np.maximum(v, 1e-3)])  # index = node count
-        step = self.verify_ms[1]
-        self.level_ms: dict[str, np.ndarray] = {}
         for name in self.levels:
-            if self.cfg.constant_cost is not None:
-                c = np.full(n_max, self.cfg.constant_cost * step)
-            elif lat.known(name):
+            if lat.known(name):
                 c = lat.predict_mean(name, T, context, tree=True)
             else:  # not profiled and not run yet: half a target step, until its first forward is timed
                 c = 0.5 * self.verify_ms[T]
@@ -190,7 +192,10 @@ class DyTC(Policy):
                     break
             if first:
                 self.fallbacks_in_row = 0
+            size = len(self.tree)
             self._execute(ctx, act)
+            if len(self.tree) <= size:  # no growth (every candidate token already a child): stop here
+                break
         if len(self.tree) == 1:
             self.fallback_steps += 1
         self.tree_sizes.append(len(self.tree))
@@ -306,7 +311,7 @@ class DyTC(Policy):
             cut = next((i for i in range(first_new, len(self.tree)) if self.nodes[i].source == OVERRULED),
                        len(self.tree))
             self._truncate(cut)
-            n = cut - 1  # the last copied token the level agreed with (or the node the segment grew from)
+            n = cut - 1 if cut > first_new else n  # the last copied token it agreed with, else where it grew from
         elif self._offer(n, name) is None:
             self._run(ctx, name, self._pending(n, name))
         offer = self._offer(n, name)
@@ -337,7 +342,8 @@ class DyTC(Policy):
             ctx.draft_forwards += 1
             self.latency.observe(name, b - a, L + a, ms, tree=True)
             self.measured_draft_ms += ms
-            self.predicted_draft_ms += float(self.level_ms[name][min(b - a, len(self.level_ms[name]) - 1)])
+            if self.cfg.constant_cost is None:
+                self.predicted_draft_ms += float(self.level_ms[name][min(b - a, len(self.level_ms[name]) - 1)])
             self.spent += float(self.level_ms[name][min(b - a, len(self.level_ms[name]) - 1)])
             for j, i in enumerate(run):
                 self.nodes[i].kv = name

@@ -58,3 +58,34 @@ def verify_sampling(tree: DraftTree, probs: Tensor, generator: torch.Generator |
             return path, int(torch.multinomial(p, 1, generator=generator))
         path.append(accepted)
         node = accepted
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> Tensor:
+    """[V] standard Gumbel noise owned by one sequence position (a pure function of seed and position)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2**63 - 1))
+    u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
+    return -torch.log(-torch.log(u))
+
+
+def coupled_sample(probs: Tensor, noise: Tensor) -> int:
+    """The Gumbel-max sample argmax(log p + g): distributed as p when g is fresh Gumbel noise."""
+    return int((probs.double().log() + noise).argmax())
+
+
+def verify_coupled(tree: DraftTree, probs: Tensor, seed: int, root_position: int) -> tuple[list[int], int]:
+    """Sampling verification of deterministic drafts (q one-hot) by position-owned noise: the target's token after
+    a node at depth d is argmax(log p + g), g = gumbel_noise(seed, root_position + d + 1). Greedy verification
+    against those tokens emits, at every position, a fresh sample of the target's distribution given the prefix
+    (the noise of a position is independent of every other position's), so the output is distributed exactly as
+    the target's own samples; and since the noise does not depend on the tree, the same seed gives the same tokens
+    whatever was drafted: every deterministic-draft method reproduces `ar` token for token. A drafted token is
+    accepted with probability p(x), as in recursive rejection with one-hot q."""
+    children = tree.children()
+    node, path, depth = 0, [0], 0
+    while True:
+        t = coupled_sample(probs[node], gumbel_noise(seed, root_position + depth + 1, probs.shape[-1]))
+        nxt = next((c for c in children[node] if tree.tokens[c] == t), None)
+        if nxt is None:
+            return path, t
+        path.append(nxt)
+        node, depth = nxt, depth + 1

@@ -212,3 +212,31 @@ def test_no_fallback_option_always_drafts():
     cfg = RouterConfig(levels=("int4",), use_pld=False, fallback=False)
     router, ctx = _router(e, _latency(50.0, 80.0, per_token=20.0), cfg)
     assert all(len(router.draft(ctx)) > 1 for _ in range(3))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), prompt=st.lists(st.integers(3, 30), min_size=2, max_size=16),
+       levels=st.sampled_from([("int8",), ("int8", "int4"), ("vocab", "int8")]))
+def test_dytc_sampling_runs_to_its_budget(seed, prompt, levels):
+    """Sampled decoding grows bushy trees (siblings, reviewed prompt-lookup tokens): every step must still end
+    (a review that keeps nothing once left the router extending a node it had not run, forever)."""
+    e = engine("llama", 0)
+    prompt = prompt + prompt  # repetition: prompt lookup proposes, the levels review
+    r = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", levels=levels, seed=seed,
+                                       sampling=SamplingParams(temperature=1.0)))
+    assert 1 <= r.stats.new_tokens <= 40
+    assert r.stats.finish_reason in ("eos", "length")
+
+
+@settings(max_examples=20, deadline=None)
+@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 10_000), method=st.sampled_from(["pld", "vc", "hc", "dytc"]),
+       prompt=st.lists(st.integers(3, 30), min_size=2, max_size=16), n=st.integers(1, 30))
+def test_seeded_sampling_of_deterministic_drafts_equals_ar(arch, seed, method, prompt, n):
+    """Deterministic drafts are checked against position-owned noise: with one seed, every such method emits
+    exactly the tokens `ar` samples (and so the same distribution), whatever the tree."""
+    e = engine(arch, 0)
+    prompt = prompt + prompt
+    sp = SamplingParams(temperature=0.8, top_p=0.95)
+    ar = e.generate_ids(prompt, Request(max_new_tokens=n, sampling=sp, seed=seed))
+    spec = e.generate_ids(prompt, Request(max_new_tokens=n, sampling=sp, seed=seed, method=method))
+    assert spec.token_ids == ar.token_ids

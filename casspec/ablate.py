@@ -1,0 +1,279 @@
+"""`casspec ablate`: CAS-Spec's ablation structure on this machine, as one resumable run.
+
+Rows (bench method specs, see bench.method_request): the HF baseline, ar, pld, each single level alone as `sd`
+and as `tree`, the cascades (vc, hc, vc+hc), dytc, dytc with each of its sources left out in turn, dytc with
+constant costs instead of the latency predictor (`dytc~const`) and dytc without its AR fallback
+(`dytc~nofallback`). Every row answers every question (all turns, greedy); its answers and stats go to
+OUT/rows/ROW.json as soon as it finishes, and a rerun skips the rows already there (so the ratios of a resumed run
+mix two sessions: `results.json` records when each row ran). Then OUT gets results.md (the table), results.json
+(the summary behind it) and the plots:
+  speedup_by_category.png    speedup over hf-ar per method and question category;
+  acceptance_by_depth.png    fraction of steps whose accepted path reached each depth, per level (sd and tree);
+  levels_plane.png           the levels in the (cost ratio, agreement) plane over iso-speedup curves of one
+                             drafter, max_k (1 - a^(k+1)) / ((1 - a)(1 + k c)) (CS Drafting's expected walltime
+                             improvement factor; the 1.0 curve is break-even);
+  latency.png                the predictor: predicted vs measured verification and draft time per turn (dytc).
+Memory per row: the target's weights and KV cache plus the distinct quantized / sparse / vocabulary copies that
+the row's levels hold (shared copies counted once).
+"""
+from __future__ import annotations
+
+import json
+import re
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dsia.errors import CasspecError
+
+from .bench import (BASELINE, Answer, Question, make_runner, method_request, parse_sources, run_question,
+                    summarize)
+from .engine import MULTI_LEVEL, SINGLE_LEVEL, Engine
+from .levels_report import measure_levels
+
+README_BEGIN = "<!-- ablate:begin -->"
+README_END = "<!-- ablate:end -->"
+
+
+@dataclass(frozen=True)
+class AblateConfig:
+    levels: tuple[str, ...] = ("skip0.4", "skip0.6", "exit", "sparse0.5", "int8", "int4", "nf4", "int4+sparse0.5",
+                               "int4+vocab")  # single levels run as sd and tree ("exit": after 80% of the layers)
+    plane_questions: int = 4  # questions for the levels' cost ratio and agreement (levels_plane.png)
+    plane_tokens: int = 64  # continuation length scored per question there
+
+
+def default_rows(engine: Engine, cfg: AblateConfig = AblateConfig()) -> list[str]:
+    n_layers = engine.model.spec.n_layers
+    levels = [f"exit{int(0.8 * n_layers)}" if lv == "exit" else lv for lv in cfg.levels]
+    dytc = [n for n, _ in engine.default_sources("dytc")]
+    rows = [BASELINE, "ar", "pld"] + [f"sd:{lv}" for lv in levels] + [f"tree:{lv}" for lv in levels]
+    rows += ["vc", "hc", "vc+hc", "dytc"]
+    rows += ["dytc:" + "/".join(n for n in dytc if n != left) for left in dytc if len(dytc) > 1]
+    return rows + ["dytc~nopld", "dytc~const", "dytc~nofallback"]
+
+
+def _file_name(row: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", row) + ".json"
+
+
+def row_levels(engine: Engine, row: str) -> list[str]:
+    """The dsia levels a row drafts with."""
+    if row == BASELINE or row.startswith("hf-"):
+        return []
+    req = method_request(row)
+    if req.method in SINGLE_LEVEL:
+        return [req.level]
+    if req.method in MULTI_LEVEL:
+        sources = parse_sources(req.method, req.levels) or engine.default_sources(req.method)
+        return [n for n, _ in sources if n != "pld"]
+    return []
+
+
+def row_memory_bytes(engine: Engine, row: str) -> int:
+    """Target weights + KV cache + the distinct extra copies held by the row's levels."""
+    kv = sum(t.numel() * t.element_size() for t in (engine.cache.k, engine.cache.v))
+    copies = {}
+    for name in row_levels(engine, row):
+        lv = engine.levels.get(name)
+        for obj in (lv.quant, lv.sparse_weights, lv.vocab):
+            if obj is not None:
+                copies[id(obj)] = obj.nbytes
+    return engine.model.weight_bytes() + kv + sum(copies.values())
+
+
+def run_rows(engine: Engine, questions: list[Question], rows: list[str], max_new_tokens: int, out: Path,
+             progress: bool = True) -> dict[str, dict]:
+    """Run the rows not finished yet (OUT/rows/ROW.json); return every row's record."""
+    folder = out / "rows"
+    folder.mkdir(parents=True, exist_ok=True)
+    records: dict[str, dict] = {}
+    todo = []
+    for row in rows:
+        path = folder / _file_name(row)
+        if path.is_file():
+            rec = json.loads(path.read_text())
+            ids = [q.question_id for q in questions]
+            if rec.get("max_new_tokens") == max_new_tokens and rec.get("questions") == ids:
+                records[row] = rec
+                continue
+        todo.append(row)
+    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="ablate", unit="run", disable=not progress,
+               file=sys.stderr)
+    for row in todo:
+        bar.set_postfix_str(row)
+        run = make_runner(engine, row)
+        run(engine.encode([{"role": "user", "content": questions[0].turns[0]}]), min(16, max_new_tokens))  # warm-up
+        t0 = time.time()
+        answers = [run_question(engine, run, q, max_new_tokens, None) for q in questions]
+        rec = {"row": row, "max_new_tokens": max_new_tokens, "questions": [q.question_id for q in questions],
+               "started": t0, "seconds": time.time() - t0, "memory_bytes": row_memory_bytes(engine, row),
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "answers": [asdict(a) for a in answers]}
+        (folder / _file_name(row)).write_text(json.dumps(rec))
+        records[row] = rec
+        bar.update(1)
+    bar.close()
+    return records
+
+
+def ablate(engine: Engine, questions: list[Question], rows: list[str], max_new_tokens: int, out: str | Path,
+           dtype: str, cfg: AblateConfig = AblateConfig(), progress: bool = True) -> dict:
+    if rows[0] != BASELINE:
+        raise CasspecError(f"the ablation's first row must be the baseline {BASELINE}")
+    out = Path(out)
+    records = run_rows(engine, questions, rows, max_new_tokens, out, progress)
+    answers = {row: [Answer(**a) for a in records[row]["answers"]] for row in rows}
+    summary = summarize(engine, answers, max_new_tokens, dtype)
+    for row in rows:
+        m = summary["methods"][row]
+        m["memory_mb"] = records[row]["memory_bytes"] / 1e6
+        m["started"] = records[row]["started"]
+        turns = [st for a in answers[row] for st in a.stats if st]
+        m["turn_verify"] = [(st["predicted_verify_seconds"], st["verify_seconds"]) for st in turns
+                            if st.get("predicted_verify_seconds")]
+        m["turn_draft"] = [(st["policy"]["predicted_draft_ms"] / 1e3, st["policy"]["measured_draft_ms"] / 1e3)
+                           for st in turns if st.get("policy") and st["policy"].get("predicted_draft_ms")]
+    plane_path = out / "levels_plane.json"
+    if plane_path.is_file():
+        plane = json.loads(plane_path.read_text())
+    else:
+        names = sorted({lv for row in rows for lv in row_levels(engine, row)})
+        plane = measure_levels(engine, questions[:cfg.plane_questions], names, cfg.plane_tokens, progress=progress)
+        plane_path.write_text(json.dumps(plane, indent=1))
+    summary["levels_plane"] = plane
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    (out / "results.md").write_text(format_results(summary))
+    plot_results(summary, out)
+    return summary
+
+
+def format_results(summary: dict) -> str:
+    methods = summary["methods"]
+    cats = sorted({c for m in methods.values() for c in m["by_category"]})
+    head = ["method", "tokens/s", "speedup", "MAT"] + cats + ["memory MB", "identical"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, m in methods.items():
+        ident = "-" if m["identical_to_baseline"] is None else str(m["identical_to_baseline"]).lower()
+        cells = [f"`{name}`", f"{m['tokens_per_s']:.2f}", f"{m['speedup']:.2f}", f"{m['mean_accepted_tokens']:.2f}"]
+        cells += [f"{m['by_category'][c]['speedup']:.2f}" if c in m["by_category"] else "-" for c in cats]
+        cells += [f"{m['memory_mb']:.0f}", ident]
+        lines.append("| " + " | ".join(cells) + " |")
+    return (f"{summary['model']}, {summary['device']}, {summary['dtype']}, {summary['max_new_tokens']} new tokens, "
+            f"greedy; speedup over {summary['baseline']} (HF transformers generate) in the same run.\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def _ewif(a: float, c: float, max_k: int = 32) -> float:
+    """Best expected walltime improvement of one drafter (acceptance a, cost ratio c) over draft lengths k."""
+    if a >= 1.0:
+        a = 0.999999
+    return max((1 - a ** (k + 1)) / ((1 - a) * (1 + k * c)) for k in range(1, max_k + 1))
+
+
+def plot_results(summary: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = summary["methods"]
+    written = []
+    # speedup by category
+    cats = sorted({c for m in methods.values() for c in m["by_category"]})
+    names = list(methods)
+    grid = np.array([[methods[n]["by_category"].get(c, {}).get("speedup", np.nan) for c in cats] for n in names])
+    fig, ax = plt.subplots(figsize=(1.1 * len(cats) + 3, 0.32 * len(names) + 1.5))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    for i in range(len(names)):
+        for j in range(len(cats)):
+            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=6.5,
+                    color="white" if grid[i, j] < np.nanmax(grid) * 0.6 else "black")
+    fig.colorbar(im, ax=ax, label=f"speedup over {summary['baseline']}")
+    ax.set_title("speedup by category")
+    fig.tight_layout()
+    written.append(out / "speedup_by_category.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    # acceptance by depth
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, kind in zip(axes, ("sd", "tree")):
+        for n, m in methods.items():
+            if n.startswith(kind + ":") and m.get("acceptance_by_depth"):
+                acc = m["acceptance_by_depth"]
+                ax.plot(range(1, len(acc) + 1), acc, "o-", ms=3, label=n.split(":", 1)[1])
+        ax.set_title(f"{kind}: steps whose accepted path reached depth d")
+        ax.set_xlabel("depth d")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("fraction of steps")
+    fig.tight_layout()
+    written.append(out / "acceptance_by_depth.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    # levels in the acceptance-vs-cost plane
+    plane = summary.get("levels_plane", {}).get("levels", {})
+    if plane:
+        cs = np.linspace(0.02, 1.2, 60)
+        as_ = np.linspace(0.02, 0.995, 60)
+        Z = np.array([[_ewif(a, c) for c in cs] for a in as_])
+        fig, ax = plt.subplots(figsize=(6.5, 5))
+        cont = ax.contour(cs, as_, Z, levels=[1.0, 1.5, 2.0, 3.0, 4.0], cmap="coolwarm")
+        ax.clabel(cont, fmt="%.1fx", fontsize=7)
+        for name, lv in plane.items():
+            ax.plot(lv["cost_ratio"], lv["agreement"], "ko", ms=4)
+            ax.annotate(name, (lv["cost_ratio"], lv["agreement"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set_xlabel("cost ratio c (level forward / target forward)")
+        ax.set_ylabel("acceptance a (top-1 agreement with the target)")
+        ax.set_title("levels vs one-drafter iso-speedup curves (1.0x = break-even)", fontsize=9)
+        fig.tight_layout()
+        written.append(out / "levels_plane.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    # predicted vs measured latency (dytc rows): per turn
+    pts_v, pts_d = [], []
+    for n, m in methods.items():
+        if n.startswith("dytc") and "~const" not in n:
+            pts_v += m.get("turn_verify", [])
+            pts_d += m.get("turn_draft", [])
+    if pts_v:
+        fig, ax = plt.subplots(figsize=(5.5, 5))
+        for pts, label in ((pts_v, "verification"), (pts_d, "draft forwards")):
+            if pts:
+                ax.plot([p for p, _ in pts], [m for _, m in pts], "o", ms=3, alpha=0.6, label=label)
+        hi = max(max(p, m) for p, m in pts_v + pts_d)
+        ax.plot([0, hi], [0, hi], "k--", lw=1)
+        ax.set_xlabel("predicted seconds per turn")
+        ax.set_ylabel("measured seconds per turn")
+        ax.set_title("latency predictor (dytc rows)")
+        ax.legend()
+        fig.tight_layout()
+        written.append(out / "latency.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def update_readme(readme: str | Path, summary: dict, out: Path) -> None:
+    """Replace the README's section between the ablate markers with the table and the plots."""
+    readme = Path(readme)
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise CasspecError(f"{readme} has no {README_BEGIN} ... {README_END} markers to write the results between")
+    here, target = readme.resolve().parent, Path(out).resolve()
+    rel = target.relative_to(here) if target.is_relative_to(here) else target
+    pngs = [p for p in ("speedup_by_category.png", "acceptance_by_depth.png", "levels_plane.png", "latency.png")
+            if (Path(out) / p).is_file()]
+    when = time.strftime("%Y-%m-%d", time.gmtime(max(m["started"] for m in summary["methods"].values())))
+    images = "\n".join(f"![{p[:-4]}]({(rel / p).as_posix()})" for p in pngs)
+    body = (f"{README_BEGIN}\nGenerated by `casspec ablate` on {when}.\n\n{format_results(summary)}\n{images}\n"
+            f"{README_END}")
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    readme.write_text(text[:start] + body + text[end:])

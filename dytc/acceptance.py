@@ -69,29 +69,17 @@ class AcceptanceTracker:
         if key not in self.rates or source not in self.overall:
             return self._rate(key)
         n = sum(t for t, _ in self.recent[key])  # tested tokens in the bucket's window
-        return (n * self.rates[key] + self.cfg.shrink * self.mean(source)) / (n + self.cfg.shrink)
+        return (n * self.rates[key] + self.cfg.shrink * self.overall[source]) / (n + self.cfg.shrink)
 
     def _rate(self, key: tuple[str, int]) -> float:
         """A bucket's estimate; a bucket not seen yet starts from its source's average where that exists."""
         if key in self.rates:
             return self.rates[key]
-        return self.mean(key[0]) if key[0] in self.overall and key[0] != PLD else self._prior(*key)
-
-    def _source_prior(self, source: str) -> float:
-        if source == OVERRULED:
-            return 0.1
-        if source == PLD:
-            return 0.5
-        return 0.2 if source.endswith(SIBLING) else self.cfg.prior_level
+        return self.overall[key[0]] if key[0] in self.overall and key[0] != PLD else self._prior(*key)
 
     def mean(self, source: str) -> float:
-        """Acceptance of a typical token of `source` (for tokens not drafted yet): its moving average, shrunk
-        toward the prior by `shrink` pseudo-tokens against all the tokens it ever had tested, so that a source
-        written off after its first few tokens is tried again rather than never."""
-        if source not in self.overall:
-            return self._source_prior(source)
-        n = self.counts[source][0]
-        return (n * self.overall[source] + self.cfg.shrink * self._source_prior(source)) / (n + self.cfg.shrink)
+        """Acceptance of a typical token of `source` (for tokens not drafted yet)."""
+        return self.overall.get(source, self.cfg.prior_level if source not in (PLD, OVERRULED) else 0.5)
 
     def update(self, outcomes: list[tuple[str, float, bool]]) -> None:
         """One verification's tested tokens: (source, belief, accepted)."""
@@ -106,8 +94,7 @@ class AcceptanceTracker:
         for key, (n, k) in groups.items():
             self.rates[key] = min(hi, max(lo, lam * self._rate(key) + (1 - lam) * self._recent(key, n, k)))
         for source, (n, k) in per_source.items():
-            prev = self.overall.get(source, self._source_prior(source))
-            self.overall[source] = min(hi, max(lo, lam * prev + (1 - lam) * self._recent(source, n, k)))
+            self.overall[source] = min(hi, max(lo, lam * self.mean(source) + (1 - lam) * self._recent(source, n, k)))
             c = self.counts.setdefault(source, [0, 0])
             c[0] += n
             c[1] += k

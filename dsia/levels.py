@@ -193,10 +193,22 @@ class Level:
             self.search.step(model, cache, history, self._base_plan())
             self.plan = self._build_plan()
 
+    @property
+    def writes_all_layers(self) -> bool:
+        """Whether a forward writes the KV of every layer (no skipped attention, no early exit), so that any other
+        level can attend to the scratch slots it wrote."""
+        return not self.plan.skip_attn and self.plan.exit_after is None
+
     def forward(self, model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor, start: int,
                 scratch_mask: Tensor | None = None, logits_rows: Tensor | slice | None = None) -> Tensor:
         """Draft logits [N, V] for tokens [T] written to scratch slots [start, start + T)."""
         return model.forward(cache, tokens, positions, start, scratch_mask, self.plan, logits_rows)
+
+
+def reads_kv_of(reader: str, writer: Level | None) -> bool:
+    """Whether level `reader` can attend to scratch KV that `writer` wrote (None: no draft forward wrote it):
+    its own, or that of a level writing every layer."""
+    return writer is not None and (writer.name == reader or writer.writes_all_layers)
 
 
 class LevelRegistry:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsia.levels import Level
+from dsia.levels import Level, reads_kv_of
 
 from .acceptance import PLD
 from .ngram import PromptLookup
@@ -41,15 +41,14 @@ class CascadeConfig:
 class ChainBuilder:
     """One step's chain under construction, with per-token record of which level's KV sits in its slot."""
 
-    def __init__(self, ctx: DraftContext, full_kv: dict[str, bool]) -> None:
+    def __init__(self, ctx: DraftContext, levels: dict[str, Level]) -> None:
         self.ctx = ctx
         self.tokens = [ctx.history[-1]]  # chain tokens; [0] is the root
         self.kv: list[str | None] = [None]  # level whose KV is in each token's slot
-        self.full_kv = full_kv
+        self.levels = levels  # name -> Level, for who wrote each slot
 
     def readable(self, j: int, name: str) -> bool:
-        w = self.kv[j]
-        return w == name or (w is not None and self.full_kv[w])
+        return reads_kv_of(name, self.levels.get(self.kv[j]))
 
     def run(self, level: Level, upto: int, extra: list[int]) -> list[int]:
         """Run `level` over the chain tokens it cannot read yet (up to index `upto`, inclusive) plus `extra`
@@ -81,32 +80,28 @@ class ChainBuilder:
 class Cascade(Policy):
     """`vc`, `hc` or `vc+hc` over named sources (levels and "pld")."""
 
-    def __init__(self, name: str, levels: dict[str, Level], segments: list[tuple[str, int]], vertical: bool,
+    def __init__(self, name: str, levels: dict[str, Level], segments: list[tuple[str, int]], below: list[str],
                  cfg: CascadeConfig = CascadeConfig()) -> None:
         self.name = name
         self.levels = levels  # name -> Level, every neural source used
         self.segments = segments  # (source, tokens) in chain order
-        self.vertical = vertical
+        self.below = below  # sources proposing to a neural segment's level, next one down first ([]: none)
         self.cfg = cfg
 
     @staticmethod
     def vc(levels: list[Level], cfg: CascadeConfig = CascadeConfig()) -> "Cascade":
         """Vertical: the strongest level drafts cfg.vc_tokens, reviewing the next level's proposals, down to pld."""
-        c = Cascade("vc", {lv.name: lv for lv in levels}, [(levels[0].name, cfg.vc_tokens)], True, cfg)
-        c.below = [lv.name for lv in levels[1:]] + [PLD]
-        return c
+        return Cascade("vc", {lv.name: lv for lv in levels}, [(levels[0].name, cfg.vc_tokens)],
+                       [lv.name for lv in levels[1:]] + [PLD], cfg)
 
     @staticmethod
     def hc(levels: dict[str, Level], segments: list[tuple[str, int]], vertical: bool = False,
            cfg: CascadeConfig = CascadeConfig()) -> "Cascade":
-        c = Cascade("vc+hc" if vertical else "hc", levels, segments, vertical, cfg)
-        c.below = [PLD]
-        return c
+        return Cascade("vc+hc" if vertical else "hc", levels, segments, [PLD] if vertical else [], cfg)
 
     def begin(self, ctx: DraftContext) -> None:
         for lv in self.levels.values():
             lv.begin(ctx.model, ctx.cache, ctx.history)
-        self.full_kv = {n: not lv.plan.skip_attn and lv.plan.exit_after is None for n, lv in self.levels.items()}
         self.lookup = PromptLookup(ctx.history, eos_ids=ctx.eos_ids)
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
@@ -115,7 +110,7 @@ class Cascade(Policy):
         self.lookup.extend(emitted)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
-        chain = ChainBuilder(ctx, self.full_kv)
+        chain = ChainBuilder(ctx, self.levels)
         room = ctx.room - 1  # draft tokens that fit
         for source, k in self.segments:
             k = min(k, room - (len(chain.tokens) - 1))
@@ -125,7 +120,7 @@ class Cascade(Policy):
             if source == PLD:
                 chain.push(self.lookup.propose_after(chain.tokens[1:], k)[0], None)
             else:
-                self._extend(chain, source, k, self.below if self.vertical else [])
+                self._extend(chain, source, k, self.below)
             if len(chain.tokens) == before or chain.tokens[-1] in ctx.eos_ids:
                 break
         return chain.tree()

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dsia.levels import Level
+from dsia.levels import Level, reads_kv_of
 
 from .acceptance import OVERRULED, PLD, AcceptanceTracker, sibling
 from .latency import TARGET, LatencyModel
@@ -99,7 +99,6 @@ class DyTC(Policy):
         self.latency = latency
         self.tracker = tracker  # shared across generations: estimates carry over
         self.cfg = cfg
-        self.full_kv = {lv.name: not lv.plan.skip_attn and lv.plan.exit_after is None for lv in levels}
         self.fallbacks_in_row = 0
         # per-generation report
         self.fallback_steps = 0
@@ -114,7 +113,6 @@ class DyTC(Policy):
     def begin(self, ctx: DraftContext) -> None:
         for lv in self.levels.values():
             lv.begin(ctx.model, ctx.cache, ctx.history)
-            self.full_kv[lv.name] = not lv.plan.skip_attn and lv.plan.exit_after is None
         self.lookup = PromptLookup(ctx.history, eos_ids=ctx.eos_ids) if self.cfg.use_pld else None
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
@@ -206,8 +204,7 @@ class DyTC(Policy):
 
     def _pending(self, n: int, level: str) -> list[int]:
         """Nodes on the path to n whose KV `level` cannot read (they need its forward first)."""
-        return [i for i in self.tree.path_to(n)
-                if not (self.nodes[i].kv == level or (self.nodes[i].kv is not None and self.full_kv[self.nodes[i].kv]))]
+        return [i for i in self.tree.path_to(n) if not reads_kv_of(level, self.levels.get(self.nodes[i].kv))]
 
     def _offer(self, n: int, level: str) -> tuple[int, float, str] | None:
         """The best token of level's known distribution at n that is not yet a child of n: (token, its draft

@@ -1,7 +1,7 @@
 """`casspec ablate`: CAS-Spec's ablation structure on this machine, as one resumable run.
 
 Rows (bench method specs, see bench.method_request): the HF baseline, ar, pld, each single level alone as `sd`
-and as `tree`, the cascades (vc, hc, vc+hc), dytc, dytc with each of its sources left out in turn, dytc with
+and as `tree`, the cascades (vc, hc, vc+hc, tree+vc), dytc, dytc with each of its sources left out in turn, dytc with
 constant costs instead of the latency predictor (`dytc~const`) and dytc without its AR fallback
 (`dytc~nofallback`). Every row answers every question (all turns, greedy); its answers and stats go to
 OUT/rows/ROW.json as soon as it finishes, and a rerun skips the rows already there (so the ratios of a resumed run
@@ -52,7 +52,7 @@ def default_rows(engine: Engine, cfg: AblateConfig = AblateConfig()) -> list[str
     levels = [f"exit{int(0.8 * n_layers)}" if lv == "exit" else lv for lv in cfg.levels]
     dytc = [n for n, _ in engine.default_sources("dytc")]
     rows = [BASELINE, "ar", "pld"] + [f"sd:{lv}" for lv in levels] + [f"tree:{lv}" for lv in levels]
-    rows += ["vc", "hc", "vc+hc", "dytc"]
+    rows += ["vc", "hc", "vc+hc", "tree+vc", "dytc"]
     rows += ["dytc:" + "/".join(n for n in dytc if n != left) for left in dytc if len(dytc) > 1]
     return rows + ["dytc~nopld", "dytc~const", "dytc~nofallback"]
 

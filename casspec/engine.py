@@ -29,9 +29,9 @@ from dytc.verify import coupled_sample, gumbel_noise, verify_coupled, verify_gre
 
 from .loading import Loaded, load
 
-METHODS = ("ar", "pld", "sd", "tree", "vc", "hc", "vc+hc", "dytc")  # decoding methods (drafting policies)
+METHODS = ("ar", "pld", "sd", "tree", "vc", "tree+vc", "hc", "vc+hc", "dytc")  # decoding methods (drafting policies)
 SINGLE_LEVEL = ("sd", "tree")  # methods drafting with Request.level
-MULTI_LEVEL = ("vc", "hc", "vc+hc", "dytc")  # methods drafting with Request.levels (empty: their defaults)
+MULTI_LEVEL = ("vc", "tree+vc", "hc", "vc+hc", "dytc")  # methods drafting with Request.levels (empty: their defaults)
 
 Prompt = str | Sequence[dict]  # raw text or chat messages [{"role": ..., "content": ...}]
 
@@ -74,7 +74,7 @@ def parse_sources(method: str, levels: Sequence[str]) -> list[tuple[str, int]]:
             raise CasspecError(f"{method} takes level names without *K (got {item!r}); segments are for hc")
         if name != PLD:
             LevelConfig.parse(name)
-        elif method in ("vc", "dytc"):
+        elif method in ("vc", "tree+vc", "dytc"):
             raise CasspecError(f"{method} always uses prompt lookup at the bottom: list only dsia levels")
         out.append((name, int(k) if star else 0))
     return out
@@ -294,8 +294,8 @@ class Engine:
             cfg = replace(req.router or RouterConfig(), levels=names)
             tracker = self.trackers.setdefault(repr(cfg), AcceptanceTracker())  # estimates carry over generations
             return DyTC([self.levels.get(n) for n in names], self.latency, tracker, cfg)
-        if req.method == "vc":
-            return Cascade.vc([self.levels.get(n) for n, _ in sources])
+        if req.method in ("vc", "tree+vc"):
+            return Cascade.vc([self.levels.get(n) for n, _ in sources], tree=req.method == "tree+vc")
         segments = sources
         levels = {n: self.levels.get(n) for n, _ in segments if n != PLD}
         return Cascade.hc(levels, segments, vertical=req.method == "vc+hc")
@@ -307,7 +307,7 @@ class Engine:
         cpu = self.device.type == "cpu"
         if method == "dytc":
             return [(n, 0) for n in (RouterConfig.levels if cpu else ("skip0.4",))]
-        if method == "vc":
+        if method in ("vc", "tree+vc"):
             return [("int4" if cpu else "skip0.4", 0)]
         return list(CascadeConfig.hc_segments) if cpu else [("skip0.4", 4), (PLD, 4)]
 

@@ -11,6 +11,10 @@ Both draft a chain (deterministic tokens: q one-hot, lossless under sampling too
   hc     horizontal cascade: the chain is cut into segments (CS Drafting's k-matrix, one row): the first k_1
          tokens from S_1, the next k_2 from S_2, ..., stronger sources first since early tokens matter most.
   vc+hc  both: each neural segment of hc is drafted vertically with prompt lookup beneath it.
+  tree+vc  vc's chain grown into a tree: the top level's forwards that drafted and reviewed the chain also give
+         its distribution after every chain token, so its next most probable tokens become sibling leaves
+         there at no extra forward; the chain and the most probable leaves (cumulative top-level probability)
+         are verified.
 
 A level's forward writes the KV of the chain tokens it runs into their scratch slots (token j at slot
 cache.length + j). A level reads the chain's earlier slots when they were written by itself or by a level that
@@ -27,7 +31,7 @@ from dsia.levels import Level, reads_kv_of
 
 from .acceptance import PLD
 from .ngram import PromptLookup
-from .policies import DraftContext, Policy
+from .policies import DraftContext, Policy, prune
 from .tree import DraftTree
 
 
@@ -36,16 +40,20 @@ class CascadeConfig:
     vc_tokens: int = 8  # vc: tokens the top source drafts per step
     proposal_tokens: int = 4  # most tokens a lower source proposes to the one above per review
     hc_segments: tuple[tuple[str, int], ...] = (("int4", 4), ("int4+vocab", 3), (PLD, 3))  # hc k-matrix row
+    tree_top_k: int = 3  # tree+vc: the top level's most probable tokens after each chain token (chain's included)
+    tree_nodes: int = 16  # tree+vc: most nodes verified (root included)
 
 
 class ChainBuilder:
     """One step's chain under construction, with per-token record of which level's KV sits in its slot."""
 
-    def __init__(self, ctx: DraftContext, levels: dict[str, Level]) -> None:
+    def __init__(self, ctx: DraftContext, levels: dict[str, Level], top_k: int = 0) -> None:
         self.ctx = ctx
         self.tokens = [ctx.history[-1]]  # chain tokens; [0] is the root
         self.kv: list[str | None] = [None]  # level whose KV is in each token's slot
         self.levels = levels  # name -> Level, for who wrote each slot
+        self.top_k = top_k  # > 0: record each run level's top-k next tokens after the positions it ran
+        self.alts: dict[int, tuple[str, list[float], list[int]]] = {}  # chain index -> (level, probs, tokens)
 
     def readable(self, j: int, name: str) -> bool:
         return reads_kv_of(name, self.levels.get(self.kv[j]))
@@ -64,7 +72,16 @@ class ChainBuilder:
         ctx.draft_forwards += 1
         for j in range(start, upto + 1):
             self.kv[j] = level.name
+        if self.top_k:
+            top_p, top_i = torch.softmax(logits[upto - start:].float(), -1).topk(self.top_k, dim=-1)  # [1+E, k]
+            for r, (p, i) in enumerate(zip(top_p.tolist(), top_i.tolist())):
+                self.alts[upto + r] = (level.name, p, i)
         return logits[upto - start:].argmax(-1).tolist()
+
+    def forget_after(self, j: int) -> None:
+        """Drop the alternatives recorded after chain index j (they followed proposal tokens not kept)."""
+        for r in [r for r in self.alts if r > j]:
+            del self.alts[r]
 
     def push(self, tokens: list[int], kv: str | None) -> None:
         self.tokens += tokens
@@ -76,23 +93,45 @@ class ChainBuilder:
             tree.add(len(tree) - 1, t)
         return tree
 
+    def tree_with_siblings(self, level: str, max_nodes: int) -> DraftTree:
+        """The chain plus, after each chain token whose next-token distribution `level` gave, that level's other
+        top-k tokens as leaves: the whole chain (what vc verifies) and the most probable of those leaves
+        (cumulative probability under `level`), max_nodes in all."""
+        tree, score = self.tree(), [1.0] * len(self.tokens)  # score: cumulative probability per node
+        for j in range(len(self.tokens) - 1):
+            alt = self.alts.get(j)
+            if alt is None or alt[0] != level:  # (not reached in vc: the top level runs every chain parent)
+                score[j + 1] = score[j]
+                continue
+            probs = dict(zip(alt[2], alt[1]))
+            score[j + 1] = score[j] * probs.get(self.tokens[j + 1], 0.0)
+            for tok, p in probs.items():
+                if tok != self.tokens[j + 1]:
+                    tree.add(j, tok)
+                    score.append(score[j] * p)
+        n = len(self.tokens)
+        keep = [2.0 - j / n for j in range(n)] + score[n:]  # chain first (> 1 >= any leaf), then leaves
+        return prune(tree, keep, max_nodes)
+
 
 class Cascade(Policy):
     """`vc`, `hc` or `vc+hc` over named sources (levels and "pld")."""
 
     def __init__(self, name: str, levels: dict[str, Level], segments: list[tuple[str, int]], below: list[str],
-                 cfg: CascadeConfig = CascadeConfig()) -> None:
+                 cfg: CascadeConfig = CascadeConfig(), siblings: bool = False) -> None:
         self.name = name
         self.levels = levels  # name -> Level, every neural source used
         self.segments = segments  # (source, tokens) in chain order
         self.below = below  # sources proposing to a neural segment's level, next one down first ([]: none)
         self.cfg = cfg
+        self.siblings = siblings  # tree+vc: add the first segment level's alternatives as sibling leaves
 
     @staticmethod
-    def vc(levels: list[Level], cfg: CascadeConfig = CascadeConfig()) -> "Cascade":
-        """Vertical: the strongest level drafts cfg.vc_tokens, reviewing the next level's proposals, down to pld."""
-        return Cascade("vc", {lv.name: lv for lv in levels}, [(levels[0].name, cfg.vc_tokens)],
-                       [lv.name for lv in levels[1:]] + [PLD], cfg)
+    def vc(levels: list[Level], cfg: CascadeConfig = CascadeConfig(), tree: bool = False) -> "Cascade":
+        """Vertical: the strongest level drafts cfg.vc_tokens, reviewing the next level's proposals, down to pld
+        (tree=True: tree+vc, the chain with the strongest level's alternatives as siblings)."""
+        return Cascade("tree+vc" if tree else "vc", {lv.name: lv for lv in levels}, [(levels[0].name, cfg.vc_tokens)],
+                       [lv.name for lv in levels[1:]] + [PLD], cfg, siblings=tree)
 
     @staticmethod
     def hc(levels: dict[str, Level], segments: list[tuple[str, int]], vertical: bool = False,
@@ -110,7 +149,7 @@ class Cascade(Policy):
         self.lookup.extend(emitted)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
-        chain = ChainBuilder(ctx, self.levels)
+        chain = ChainBuilder(ctx, self.levels, self.cfg.tree_top_k if self.siblings else 0)
         room = ctx.room - 1  # draft tokens that fit
         for source, k in self.segments:
             k = min(k, room - (len(chain.tokens) - 1))
@@ -123,6 +162,8 @@ class Cascade(Policy):
                 self._extend(chain, source, k, self.below)
             if len(chain.tokens) == before or chain.tokens[-1] in ctx.eos_ids:
                 break
+        if self.siblings:
+            return chain.tree_with_siblings(self.segments[0][0], min(self.cfg.tree_nodes, ctx.room))
         return chain.tree()
 
     def _propose(self, chain: ChainBuilder, below: list[str], k: int) -> list[int]:
@@ -149,6 +190,7 @@ class Cascade(Policy):
             while kept < len(prop) and prop[kept] == nxt[kept]:
                 kept += 1
             new = (prop[:kept] + [nxt[kept]])[:want]
+            chain.forget_after(len(chain.tokens) - 1 + kept)
             chain.push(new[:kept], name)  # reviewed tokens: the level ran them (their KV is the level's)
             chain.push(new[kept:], None)  # its own next token: not run yet
             if any(t in eos for t in new):  # nothing is drafted past an EOS

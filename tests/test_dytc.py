@@ -1,4 +1,4 @@
-"""Cascades (vc, hc, vc+hc) and the DyTC router: lossless against AR, and the router's parts in isolation."""
+"""Cascades (vc, hc, vc+hc, tree+vc) and the DyTC router: lossless against AR, and the router's parts in isolation."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from casspec.engine import Request
 from dsia.errors import CasspecError
 from dytc.acceptance import PLD, AcceptanceConfig, AcceptanceTracker
+from dytc.cascade import CascadeConfig
 from dytc.latency import TARGET, FeatureSpec, LatencyModel, Point
 from dytc.ngram import PromptLookup
 from dytc.policies import DraftContext
@@ -32,8 +33,9 @@ def engine(arch: str, seed: int):
 
 
 @settings(max_examples=40, deadline=None)
-@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 2), method=st.sampled_from(["vc", "dytc", "hc", "vc+hc"]),
-       which=st.integers(0, 5), prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24), n=st.integers(1, 40))
+@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 2),
+       method=st.sampled_from(["vc", "dytc", "hc", "vc+hc", "tree+vc"]), which=st.integers(0, 5),
+       prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24), n=st.integers(1, 40))
 def test_greedy_cascades_and_dytc_equal_ar(arch, seed, method, which, prompt, n):
     e = engine(arch, seed)
     prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that prompt lookup finds matches
@@ -48,7 +50,7 @@ def test_dytc_near_the_context_end_and_with_eos():
     e = tiny_engine("llama", 1, max_context=40)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     ar = e.generate_ids(prompt, Request(max_new_tokens=100))
-    for method in ("dytc", "vc", "hc"):
+    for method in ("dytc", "vc", "hc", "tree+vc"):
         spec = e.generate_ids(prompt, Request(max_new_tokens=100, method=method))
         assert spec.token_ids == ar.token_ids, method
         assert spec.stats.finish_reason == ar.stats.finish_reason
@@ -75,6 +77,18 @@ def test_sampling_follows_the_target(method, params):
         obs[r.token_ids[0] * 12 + r.token_ids[1]] += 1
     assert obs[joint == 0].sum() == 0
     assert joint_chi2_p(obs, joint) > 0.001
+
+
+def test_tree_vc_adds_the_top_levels_alternatives_as_siblings():
+    """tree+vc verifies vc's chain plus sibling leaves: the same tokens as vc, more nodes verified (its trees
+    branch), never more than tree_nodes per step."""
+    e = tiny_engine("llama", 2)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    vc = e.generate_ids(prompt, Request(max_new_tokens=30, method="vc", levels=("int8",)))
+    tv = e.generate_ids(prompt, Request(max_new_tokens=30, method="tree+vc", levels=("int8",)))
+    assert tv.token_ids == vc.token_ids
+    assert tv.stats.tree_nodes > vc.stats.tree_nodes  # siblings were verified too
+    assert tv.stats.tree_nodes <= (CascadeConfig.tree_nodes - 1) * tv.stats.target_forwards
 
 
 def test_bad_levels_get_clear_errors():
@@ -225,7 +239,8 @@ def test_dytc_sampling_runs_to_its_budget(seed, prompt, levels):
 
 
 @settings(max_examples=20, deadline=None)
-@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 10_000), method=st.sampled_from(["pld", "vc", "hc", "dytc"]),
+@given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 10_000),
+       method=st.sampled_from(["pld", "vc", "hc", "dytc", "tree+vc"]),
        prompt=st.lists(st.integers(3, 30), min_size=2, max_size=16), n=st.integers(1, 30))
 def test_seeded_sampling_of_deterministic_drafts_equals_ar(arch, seed, method, prompt, n):
     """Deterministic drafts are checked against position-owned noise: with one seed, every such method emits

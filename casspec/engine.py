@@ -389,9 +389,9 @@ class Engine:
         mask = None if is_chain(tree.parents) else ancestor_mask(tree.parents, dev)
         return self.model.forward(cache, tokens, pos, cache.length, mask)
 
-    # sampling runs on the CPU (a few [N, V] rows per step). Deterministic drafts (ar, pld, vc, tree+vc, hc, dytc) are checked
-    # against position-owned Gumbel noise (dytc.verify.verify_coupled): a seed then gives the same tokens whatever
-    # was drafted. Drafts sampled from q (sd, tree when sampling) go through recursive rejection sampling.
+    # sampling runs on the CPU (a few [N, V] rows per step). Deterministic drafts (ar, pld, vc, tree+vc, hc, dytc) are
+    # checked against position-owned Gumbel noise (dytc.verify.verify_coupled): a seed then gives the same tokens
+    # whatever was drafted. Drafts sampled from q (sd, tree when sampling) go through recursive rejection sampling.
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, seed: int, position: int) -> int:
         if sampling.greedy:

@@ -287,7 +287,9 @@ class Engine:
             return PldPolicy()
         if req.method in SINGLE_LEVEL:
             level = self.levels.get(req.level)
-            return ChainPolicy(level) if req.method == "sd" else TreePolicy(level)
+            if req.method == "sd":
+                return ChainPolicy(level, latency=self.latency)
+            return TreePolicy(level, latency=self.latency)
         sources = parse_sources(req.method, req.levels) or self.default_sources(req.method)
         if req.method == "dytc":
             names = tuple(n for n, _ in sources)

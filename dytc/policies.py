@@ -10,10 +10,20 @@ cache.length + i, so a forward over a contiguous range of new nodes passes their
   tree  a tree drafted by one level: each depth expands the most probable frontier nodes with their top-k
         tokens in one batched forward (EAGLE-2 / SWIFT style), then the best nodes by cumulative draft
         probability are kept (a prefix-closed set, since probabilities only shrink down a path)
+
+Both stop early when another draft forward cannot pay for itself. A forward costing c target steps (the level's
+predicted cost ratio, from the latency model, which learns the level's timings as it drafts) can add at most
+P accepted tokens, P the draft probability that the accepted path reaches the nodes it extends (the chain's
+cumulative confidence; the sum over the frontier for a tree); one target step yields one token, so drafting on
+pays only while P > c. For cheap levels this changes little (the confidence threshold binds first); a level
+nearly as slow as the target drafts only what it is sure of. The first forward of a step always runs, so the
+level's timings keep being measured (a slow first call cannot shut it off for good).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import time
 
 import torch
 
@@ -21,6 +31,7 @@ from dsia.kvcache import KVCache
 from dsia.levels import Level
 from dsia.model import Transformer
 
+from .latency import TARGET, LatencyModel
 from .ngram import PromptLookup
 from .sampling import SamplingParams, sample, warp
 from .tree import DraftTree, ancestor_mask, position_ids
@@ -86,16 +97,39 @@ class PldPolicy(Policy):
 class ChainConfig:
     max_tokens: int = 10  # longest chain drafted per step
     min_confidence: float = 0.4  # stop once the chain's cumulative draft probability falls below this
+    cost_aware: bool = True  # also stop once it falls below the level's predicted cost ratio (module docstring)
 
 
 class LevelPolicy(Policy):
     """A policy drafting with one dsia level: the level calibrates on each prompt and learns after each step."""
 
-    def __init__(self, level: Level) -> None:
+    def __init__(self, level: Level, latency: LatencyModel | None = None) -> None:
         self.level = level
+        self.latency = latency  # predicts the level's cost ratio; learns its timings (None: no cost-aware stop)
 
     def begin(self, ctx: DraftContext) -> None:
         self.level.begin(ctx.model, ctx.cache, ctx.history)
+
+    def forward(self, ctx: DraftContext, tokens: list[int], pos: torch.Tensor, start: int,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The level's logits [T, V] over `tokens` [T] (slots from `start`); the time goes to the latency model."""
+        t0 = time.perf_counter()
+        logits = self.level.forward(ctx.model, ctx.cache, torch.tensor(tokens, device=ctx.model.device), pos, start,
+                                    mask)  # [T, V]
+        ctx.draft_forwards += 1
+        if self.latency is not None:
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)
+            self.latency.observe(self.level.name, len(tokens), start, (time.perf_counter() - t0) * 1e3,
+                                 tree=mask is not None)
+        return logits
+
+    def cost_ratio(self, tokens: int, context: int, tree: bool) -> float:
+        """The level's predicted forward time over `tokens` tokens in target steps; 0 when nothing predicts it."""
+        lat = self.latency
+        if lat is None or not lat.known(self.level.name) or not lat.known(TARGET):
+            return 0.0
+        return lat.cost_ratio(self.level.name, tokens, context, tree)[0]
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         self.level.observe(ctx.model, ctx.cache, ctx.history, emitted)
@@ -105,19 +139,21 @@ class ChainPolicy(LevelPolicy):
     """`sd`: one level drafts a chain token by token (one 1-token forward each) until its confidence drops."""
     name = "sd"
 
-    def __init__(self, level: Level, cfg: ChainConfig = ChainConfig()) -> None:
-        super().__init__(level)
+    def __init__(self, level: Level, cfg: ChainConfig = ChainConfig(),
+                 latency: LatencyModel | None = None) -> None:
+        super().__init__(level, latency)
         self.cfg = cfg
 
     def draft(self, ctx: DraftContext) -> DraftTree:
-        cache, dev = ctx.cache, ctx.model.device
-        L = cache.length
+        L, dev = ctx.cache.length, ctx.model.device
         tree = DraftTree.root(ctx.history[-1])
-        conf = 1.0
+        conf = 1.0  # the chain's cumulative draft probability
         for d in range(min(self.cfg.max_tokens, ctx.room - 1)):
-            logits = self.level.forward(ctx.model, cache, torch.tensor([tree.tokens[-1]], device=dev),
-                                        torch.tensor([L + d], device=dev), L + d)  # [1, V]
-            ctx.draft_forwards += 1
+            if d > 0 and conf < self.cfg.min_confidence:
+                break
+            if d > 0 and self.cfg.cost_aware and conf < self.cost_ratio(1, L + d, False):
+                break  # another forward would cost more than it can gain
+            logits = self.forward(ctx, [tree.tokens[-1]], torch.tensor([L + d], device=dev), L + d)  # [1, V]
             if ctx.sampling.greedy:
                 probs = torch.softmax(logits[0], -1)  # [V]
                 tok = int(probs.argmax())
@@ -128,7 +164,7 @@ class ChainPolicy(LevelPolicy):
                 probs = q
             conf *= float(probs[tok])
             tree.add(len(tree) - 1, tok, q)
-            if conf < self.cfg.min_confidence or tok in ctx.eos_ids:
+            if tok in ctx.eos_ids:
                 break
         return tree
 
@@ -140,6 +176,7 @@ class TreeConfig:
     width: int = 4  # nodes expanded per depth (the most probable frontier nodes)
     max_nodes: int = 16  # nodes verified (root included), the most probable ones
     min_probability: float = 0.02  # nodes whose cumulative draft probability is below this are not kept
+    cost_aware: bool = True  # stop once the frontier's total probability is below the next forward's cost ratio
 
 
 class TreePolicy(LevelPolicy):
@@ -149,8 +186,8 @@ class TreePolicy(LevelPolicy):
     """
     name = "tree"
 
-    def __init__(self, level: Level, cfg: TreeConfig = TreeConfig()) -> None:
-        super().__init__(level)
+    def __init__(self, level: Level, cfg: TreeConfig = TreeConfig(), latency: LatencyModel | None = None) -> None:
+        super().__init__(level, latency)
         self.cfg = cfg
 
     def draft(self, ctx: DraftContext) -> DraftTree:
@@ -160,12 +197,12 @@ class TreePolicy(LevelPolicy):
         score = [1.0]  # cumulative draft probability per node
         frontier = [0]  # nodes to expand at this depth: a contiguous range of node ids
         budget = min(cfg.max_nodes, ctx.room)
-        for _ in range(cfg.max_depth):
+        for depth in range(cfg.max_depth):
             a, b = frontier[0], frontier[-1] + 1
+            if depth > 0 and cfg.cost_aware and sum(score[a:b]) < self.cost_ratio(b - a, L + a, True):
+                break  # the next depth would cost more than it can gain
             mask = ancestor_mask(tree.parents, dev)[a:b, :b]  # [F, b]
-            logits = self.level.forward(ctx.model, cache, torch.tensor(tree.tokens[a:b], device=dev),
-                                        position_ids(tree.parents, L, dev)[a:b], L + a, mask)  # [F, V]
-            ctx.draft_forwards += 1
+            logits = self.forward(ctx, tree.tokens[a:b], position_ids(tree.parents, L, dev)[a:b], L + a, mask)
             top_p, top_i = torch.softmax(logits, -1).topk(cfg.top_k, dim=-1)  # [F, k]
             cand = [(score[f] * float(top_p[j, c]), f, int(top_i[j, c]))
                     for j, f in enumerate(frontier) for c in range(cfg.top_k)]

@@ -15,7 +15,7 @@ from dytc.acceptance import PLD, AcceptanceConfig, AcceptanceTracker
 from dytc.cascade import CascadeConfig
 from dytc.latency import TARGET, FeatureSpec, LatencyModel, Point
 from dytc.ngram import PromptLookup
-from dytc.policies import DraftContext
+from dytc.policies import ChainConfig, ChainPolicy, DraftContext, TreeConfig, TreePolicy
 from dytc.router import DyTC, RouterConfig, _Node
 from dytc.sampling import SamplingParams, warp
 from dytc.tree import DraftTree
@@ -167,6 +167,46 @@ def _router(e, latency: LatencyModel, cfg: RouterConfig = RouterConfig(levels=("
     ctx = DraftContext(e.model, e.cache, prompt + [11], SamplingParams(), None, e.eos_ids, budget=50)
     router.begin(ctx)
     return router, ctx
+
+
+class _FixedCost:
+    """A latency model whose every level costs `ratio` target steps (and which learns nothing)."""
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+
+    def known(self, level: str) -> bool:
+        return True
+
+    def cost_ratio(self, level: str, tokens: int, context: int, tree: bool = False) -> tuple[float, float]:
+        return self.ratio, 0.0
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.mark.parametrize("method", ["sd", "tree"])
+def test_sd_and_tree_stop_when_another_forward_cannot_pay(method):
+    """A level predicted to cost more than a target step drafts one forward per step (its first, which keeps its
+    timings measured); a cheap one drafts on while its confidence allows; both stay lossless."""
+    e = tiny_engine("llama", 0)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    depths = {}
+    for name, ratio in (("slow", 1.2), ("cheap", 1e-4)):
+        lat = _FixedCost(ratio)
+        level = e.levels.get("int4")  # a random tiny model is unsure: no confidence / probability floor here
+        policy = (ChainPolicy(level, ChainConfig(min_confidence=0.0), latency=lat) if method == "sd" else
+                  TreePolicy(level, TreeConfig(min_probability=0.0), latency=lat))
+        e.cache.rollback(0)
+        e.extend_prefix(prompt)
+        ctx = DraftContext(e.model, e.cache, prompt + [5], SamplingParams(), None, e.eos_ids, budget=50)
+        policy.begin(ctx)
+        tree = policy.draft(ctx)
+        depths[name] = max(len(tree.path_to(n)) - 1 for n in range(len(tree)))
+        assert ctx.draft_forwards == (1 if name == "slow" else depths[name])
+    assert depths["slow"] == 1 and depths["cheap"] > 1
+    ar = e.generate_ids(prompt, Request(max_new_tokens=20))
+    assert e.generate_ids(prompt, Request(max_new_tokens=20, method=method, level="int4")).token_ids == ar.token_ids
 
 
 def test_objective_picks_the_best_throughput_segment():

@@ -47,13 +47,15 @@ class CascadeConfig:
 class ChainBuilder:
     """One step's chain under construction, with per-token record of which level's KV sits in its slot."""
 
-    def __init__(self, ctx: DraftContext, levels: dict[str, Level], top_k: int = 0) -> None:
+    def __init__(self, ctx: DraftContext, levels: dict[str, Level], alts_of: str | None = None,
+                 top_k: int = 0) -> None:
         self.ctx = ctx
         self.tokens = [ctx.history[-1]]  # chain tokens; [0] is the root
         self.kv: list[str | None] = [None]  # level whose KV is in each token's slot
         self.levels = levels  # name -> Level, for who wrote each slot
-        self.top_k = top_k  # > 0: record each run level's top-k next tokens after the positions it ran
-        self.alts: dict[int, tuple[str, list[float], list[int]]] = {}  # chain index -> (level, probs, tokens)
+        self.alts_of = alts_of  # tree+vc: the level whose top_k next tokens are recorded after each position it runs
+        self.top_k = top_k
+        self.alts: dict[int, dict[int, float]] = {}  # chain index -> {token: probability} of level alts_of
 
     def readable(self, j: int, name: str) -> bool:
         return reads_kv_of(name, self.levels.get(self.kv[j]))
@@ -72,10 +74,10 @@ class ChainBuilder:
         ctx.draft_forwards += 1
         for j in range(start, upto + 1):
             self.kv[j] = level.name
-        if self.top_k:
+        if level.name == self.alts_of:
             top_p, top_i = torch.softmax(logits[upto - start:].float(), -1).topk(self.top_k, dim=-1)  # [1+E, k]
             for r, (p, i) in enumerate(zip(top_p.tolist(), top_i.tolist())):
-                self.alts[upto + r] = (level.name, p, i)
+                self.alts[upto + r] = dict(zip(i, p))
         return logits[upto - start:].argmax(-1).tolist()
 
     def forget_after(self, j: int) -> None:
@@ -93,17 +95,13 @@ class ChainBuilder:
             tree.add(len(tree) - 1, t)
         return tree
 
-    def tree_with_siblings(self, level: str, max_nodes: int) -> DraftTree:
-        """The chain plus, after each chain token whose next-token distribution `level` gave, that level's other
-        top-k tokens as leaves: the whole chain (what vc verifies) and the most probable of those leaves
-        (cumulative probability under `level`), max_nodes in all."""
+    def tree_with_siblings(self, max_nodes: int) -> DraftTree:
+        """The chain plus, after each chain token, level alts_of's other top-k tokens as leaves: the whole chain
+        (what vc verifies) and the most probable of those leaves (cumulative probability under alts_of),
+        max_nodes in all. In vc the top level runs every chain token's parent, so each has its alternatives."""
         tree, score = self.tree(), [1.0] * len(self.tokens)  # score: cumulative probability per node
         for j in range(len(self.tokens) - 1):
-            alt = self.alts.get(j)
-            if alt is None or alt[0] != level:  # (not reached in vc: the top level runs every chain parent)
-                score[j + 1] = score[j]
-                continue
-            probs = dict(zip(alt[2], alt[1]))
+            probs = self.alts[j]  # {token: probability} after chain token j
             score[j + 1] = score[j] * probs.get(self.tokens[j + 1], 0.0)
             for tok, p in probs.items():
                 if tok != self.tokens[j + 1]:
@@ -149,7 +147,7 @@ class Cascade(Policy):
         self.lookup.extend(emitted)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
-        chain = ChainBuilder(ctx, self.levels, self.cfg.tree_top_k if self.siblings else 0)
+        chain = ChainBuilder(ctx, self.levels, self.segments[0][0] if self.siblings else None, self.cfg.tree_top_k)
         room = ctx.room - 1  # draft tokens that fit
         for source, k in self.segments:
             k = min(k, room - (len(chain.tokens) - 1))
@@ -163,7 +161,7 @@ class Cascade(Policy):
             if len(chain.tokens) == before or chain.tokens[-1] in ctx.eos_ids:
                 break
         if self.siblings:
-            return chain.tree_with_siblings(self.segments[0][0], min(self.cfg.tree_nodes, ctx.room))
+            return chain.tree_with_siblings(min(self.cfg.tree_nodes, ctx.room))
         return chain.tree()
 
     def _propose(self, chain: ChainBuilder, below: list[str], k: int) -> list[int]:

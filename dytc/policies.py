@@ -21,9 +21,8 @@ level's timings keep being measured (a slow first call cannot shut it off for go
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import torch
 

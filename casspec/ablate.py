@@ -2,10 +2,11 @@
 
 Rows (bench method specs, see bench.method_request): the HF baseline, ar, pld, each single level alone as `sd`
 and as `tree`, the cascades (vc, hc, vc+hc, tree+vc), dytc, dytc with each of its sources left out in turn, dytc with
-constant costs instead of the latency predictor (`dytc~const`) and dytc without its AR fallback
-(`dytc~nofallback`). Every row answers every question (all turns, greedy); its answers and stats go to
-OUT/rows/ROW.json as soon as it finishes, and a rerun skips the rows already there (so the ratios of a resumed run
-mix two sessions: `results.json` records when each row ran). Then OUT gets results.md (the table), results.json
+constant costs instead of the latency predictor (`dytc~const`), dytc without its AR fallback (`dytc~nofallback`),
+and vc and dytc over the other statistical bottoms (`vc~maxgram`, `vc~both`, `dytc~maxgram`, `dytc~both`). Every
+row answers every question (all turns, greedy); its answers and stats go to OUT/rows/ROW.json as soon as it
+finishes, and a rerun skips the rows already there (so the ratios of a resumed run mix two sessions:
+`results.json` records when each row ran). Then OUT gets results.md (the table), results.json
 (the summary behind it) and the plots:
   speedup_by_category.png    speedup over hf-ar per method and question category;
   acceptance_by_depth.png    fraction of steps whose accepted path reached each depth, per level (sd and tree);
@@ -29,10 +30,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dsia.errors import CasspecError
+from dytc.sources import LOOKUPS
 
-from .bench import (BASELINE, Answer, Question, make_runner, method_request, parse_sources, run_question,
-                    summarize)
-from .engine import MULTI_LEVEL, SINGLE_LEVEL, Engine
+from .bench import BASELINE, Answer, Question, make_runner, method_request, run_question, summarize
+from .engine import Engine
+from .methods import MULTI_LEVEL, SINGLE_LEVEL
 from .levels_report import measure_levels
 
 README_BEGIN = "<!-- ablate:begin -->"
@@ -50,11 +52,12 @@ class AblateConfig:
 def default_rows(engine: Engine, cfg: AblateConfig = AblateConfig()) -> list[str]:
     n_layers = engine.model.spec.n_layers
     levels = [f"exit{int(0.8 * n_layers)}" if lv == "exit" else lv for lv in cfg.levels]
-    dytc = [n for n, _ in engine.default_sources("dytc")]
+    dytc = [n for n, _ in engine.drafters.sources(method_request("dytc"))]
     rows = [BASELINE, "ar", "pld"] + [f"sd:{lv}" for lv in levels] + [f"tree:{lv}" for lv in levels]
     rows += ["vc", "hc", "vc+hc", "tree+vc", "dytc"]
     rows += ["dytc:" + "/".join(n for n in dytc if n != left) for left in dytc if len(dytc) > 1]
-    return rows + ["dytc~nopld", "dytc~const", "dytc~nofallback"]
+    rows += ["dytc~nopld", "dytc~const", "dytc~nofallback"]
+    return rows + [f"{m}~{bottom}" for m in ("vc", "dytc") for bottom in ("maxgram", "both")]
 
 
 def _file_name(row: str) -> str:
@@ -69,8 +72,7 @@ def row_levels(engine: Engine, row: str) -> list[str]:
     if req.method in SINGLE_LEVEL:
         return [req.level]
     if req.method in MULTI_LEVEL:
-        sources = parse_sources(req.method, req.levels) or engine.default_sources(req.method)
-        return [n for n, _ in sources if n != "pld"]
+        return [n for n, _ in engine.drafters.sources(req) if n not in LOOKUPS]
     return []
 
 
@@ -80,9 +82,8 @@ def row_memory_bytes(engine: Engine, row: str) -> int:
     copies = {}
     for name in row_levels(engine, row):
         lv = engine.levels.get(name)
-        for obj in (lv.quant, lv.sparse_weights, lv.vocab):
-            if obj is not None:
-                copies[id(obj)] = obj.nbytes
+        for obj in lv.holds:
+            copies[id(obj)] = obj.nbytes
     return engine.model.weight_bytes() + kv + sum(copies.values())
 
 
@@ -176,15 +177,31 @@ def _ewif(a: float, c: float, max_k: int = 32) -> float:
 
 
 def plot_results(summary: dict, out: Path) -> list[Path]:
+    """Write every figure that the summary has data for; their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    figures = (("speedup_by_category.png", plot_speedup_by_category), ("acceptance_by_depth.png",
+               plot_acceptance_by_depth), ("levels_plane.png", plot_levels_plane), ("latency.png", plot_latency))
+    written = []
+    for name, plot in figures:
+        fig = plot(summary)
+        if fig is not None:
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=110)
+            plt.close(fig)
+            written.append(out / name)
+    return written
+
+
+def plot_speedup_by_category(summary: dict):
+    """Speedup over the baseline per method (rows) and question category (columns)."""
+    import matplotlib.pyplot as plt
     import numpy as np
 
     methods = summary["methods"]
-    written = []
-    # speedup by category
     cats = sorted({c for m in methods.values() for c in m["by_category"]})
     names = list(methods)
     grid = np.array([[methods[n]["by_category"].get(c, {}).get("speedup", np.nan) for c in cats] for n in names])
@@ -198,14 +215,16 @@ def plot_results(summary: dict, out: Path) -> list[Path]:
                     color="white" if grid[i, j] < np.nanmax(grid) * 0.6 else "black")
     fig.colorbar(im, ax=ax, label=f"speedup over {summary['baseline']}")
     ax.set_title("speedup by category")
-    fig.tight_layout()
-    written.append(out / "speedup_by_category.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-    # acceptance by depth
+    return fig
+
+
+def plot_acceptance_by_depth(summary: dict):
+    """Fraction of steps whose accepted path reached each depth, per level, for sd and tree."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, kind in zip(axes, ("sd", "tree")):
-        for n, m in methods.items():
+        for n, m in summary["methods"].items():
             if n.startswith(kind + ":") and m.get("acceptance_by_depth"):
                 acc = m["acceptance_by_depth"]
                 ax.plot(range(1, len(acc) + 1), acc, "o-", ms=3, label=n.split(":", 1)[1])
@@ -213,52 +232,55 @@ def plot_results(summary: dict, out: Path) -> list[Path]:
         ax.set_xlabel("depth d")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("fraction of steps")
-    fig.tight_layout()
-    written.append(out / "acceptance_by_depth.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-    # levels in the acceptance-vs-cost plane
+    return fig
+
+
+def plot_levels_plane(summary: dict):
+    """The levels in the (cost ratio, agreement) plane over one drafter's iso-speedup curves (None: no plane)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
     plane = summary.get("levels_plane", {}).get("levels", {})
-    if plane:
-        cs = np.linspace(0.02, 1.2, 60)
-        as_ = np.linspace(0.02, 0.995, 60)
-        Z = np.array([[_ewif(a, c) for c in cs] for a in as_])
-        fig, ax = plt.subplots(figsize=(6.5, 5))
-        cont = ax.contour(cs, as_, Z, levels=[1.0, 1.5, 2.0, 3.0, 4.0], cmap="coolwarm")
-        ax.clabel(cont, fmt="%.1fx", fontsize=7)
-        for name, lv in plane.items():
-            ax.plot(lv["cost_ratio"], lv["agreement"], "ko", ms=4)
-            ax.annotate(name, (lv["cost_ratio"], lv["agreement"]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
-        ax.set_xlabel("cost ratio c (level forward / target forward)")
-        ax.set_ylabel("acceptance a (top-1 agreement with the target)")
-        ax.set_title("levels vs one-drafter iso-speedup curves (1.0x = break-even)", fontsize=9)
-        fig.tight_layout()
-        written.append(out / "levels_plane.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    # predicted vs measured latency (dytc rows): per turn
+    if not plane:
+        return None
+    cs = np.linspace(0.02, 1.2, 60)
+    as_ = np.linspace(0.02, 0.995, 60)
+    Z = np.array([[_ewif(a, c) for c in cs] for a in as_])
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    cont = ax.contour(cs, as_, Z, levels=[1.0, 1.5, 2.0, 3.0, 4.0], cmap="coolwarm")
+    ax.clabel(cont, fmt="%.1fx", fontsize=7)
+    for name, lv in plane.items():
+        ax.plot(lv["cost_ratio"], lv["agreement"], "ko", ms=4)
+        ax.annotate(name, (lv["cost_ratio"], lv["agreement"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("cost ratio c (level forward / target forward)")
+    ax.set_ylabel("acceptance a (top-1 agreement with the target)")
+    ax.set_title("levels vs one-drafter iso-speedup curves (1.0x = break-even)", fontsize=9)
+    return fig
+
+
+def plot_latency(summary: dict):
+    """The predictor: predicted vs measured verification and draft seconds per turn of the dytc rows (None: no
+    dytc row)."""
+    import matplotlib.pyplot as plt
+
     pts_v, pts_d = [], []
-    for n, m in methods.items():
+    for n, m in summary["methods"].items():
         if n.startswith("dytc") and "~const" not in n:
             pts_v += m.get("turn_verify", [])
             pts_d += m.get("turn_draft", [])
-    if pts_v:
-        fig, ax = plt.subplots(figsize=(5.5, 5))
-        for pts, label in ((pts_v, "verification"), (pts_d, "draft forwards")):
-            if pts:
-                ax.plot([p for p, _ in pts], [m for _, m in pts], "o", ms=3, alpha=0.6, label=label)
-        hi = max(max(p, m) for p, m in pts_v + pts_d)
-        ax.plot([0, hi], [0, hi], "k--", lw=1)
-        ax.set_xlabel("predicted seconds per turn")
-        ax.set_ylabel("measured seconds per turn")
-        ax.set_title("latency predictor (dytc rows)")
-        ax.legend()
-        fig.tight_layout()
-        written.append(out / "latency.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    return written
+    if not pts_v:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for pts, label in ((pts_v, "verification"), (pts_d, "draft forwards")):
+        if pts:
+            ax.plot([p for p, _ in pts], [m for _, m in pts], "o", ms=3, alpha=0.6, label=label)
+    hi = max(max(p, m) for p, m in pts_v + pts_d)
+    ax.plot([0, hi], [0, hi], "k--", lw=1)
+    ax.set_xlabel("predicted seconds per turn")
+    ax.set_ylabel("measured seconds per turn")
+    ax.set_title("latency predictor (dytc rows)")
+    ax.legend()
+    return fig
 
 
 def update_readme(readme: str | Path, summary: dict, out: Path) -> None:

@@ -19,21 +19,26 @@ import torch
 from tqdm import tqdm
 
 from dsia.errors import CasspecError
-
 from dsia.levels import LevelConfig
+from dytc.ngram import PLD_NUM_TOKENS
 from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
+from dytc.sources import BOTTOMS
 
-from .engine import METHODS, MULTI_LEVEL, Engine, Request, parse_sources
+from .engine import Engine
+from .methods import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
+from .request import Request
 
 BASELINE = "hf-ar"
-# dytc ablations: `dytc~nopld` without prompt lookup, `dytc~const` with the latency predictor replaced by constant
+# dytc ablations: `dytc~nopld` without any lookup, `dytc~const` with the latency predictor replaced by constant
 # costs (verification 1 step whatever its size, a draft forward 0.3 step), `dytc~nofallback` never verifying the root
 # alone
-DYTC_VARIANTS = {"nopld": RouterConfig(use_pld=False), "const": RouterConfig(constant_cost=0.3),
-                 "nofallback": RouterConfig(fallback=False)}
+DYTC_VARIANTS = {"nopld": {"bottom": "none"}, "const": {"router": RouterConfig(constant_cost=0.3)},
+                 "nofallback": {"router": RouterConfig(fallback=False)}}
+# any method with lookups beneath its levels: `vc~maxgram`, `dytc~both`, ... (the bottom, see sources.BOTTOMS)
+BOTTOM_VARIANTS = {name: {"bottom": name} for name in BOTTOMS}
 SAMPLING_SEED = 0  # seed of every sampled generation (so that repeats reproduce their tokens)
-HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}  # HF generate kwargs per method
+HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": PLD_NUM_TOKENS}}  # HF generate kwargs per method
 BENCH_METHODS = tuple(HF_METHODS) + METHODS
 
 
@@ -88,17 +93,23 @@ def read_questions(path: str | Path, limit: int | None = None) -> list[Question]
     return questions
 
 
+def variants(method: str) -> dict[str, dict]:
+    """The `~VARIANT`s a method takes: Request fields they set."""
+    return {**(BOTTOM_VARIANTS if method in WITH_BOTTOM else {}), **(DYTC_VARIANTS if method == "dytc" else {})}
+
+
 def method_request(method: str, level: str = "int4", max_new_tokens: int = 128,
                    sampling: SamplingParams = SamplingParams(), seed: int | None = None) -> Request:
     """The Request of a bench method spec: `sd:int8`, `tree:skip0.4` (one level), `dytc:int4/int8`, `vc:int4`
-    (levels, strongest first), `hc:int4*4/int4+vocab*3/pld*3` (segments); `dytc~VARIANT` (DYTC_VARIANTS)."""
+    (levels, strongest first), `hc:int4*4/int4+vocab*3/maxgram*3` (segments); `vc~maxgram`, `dytc~both` (the
+    lookups beneath the levels), `dytc~const` (DYTC_VARIANTS)."""
     name, _, spec = method.partition(":")
     name, _, variant = name.partition("~")
+    fields = variants(name)[variant] if variant else {}
     if name in MULTI_LEVEL:
         levels = tuple(spec.split("/")) if spec else ()
-        router = DYTC_VARIANTS[variant] if variant else None
         return Request(max_new_tokens=max_new_tokens, method=name, levels=levels, sampling=sampling, seed=seed,
-                       router=router)
+                       **fields)
     return Request(max_new_tokens=max_new_tokens, method=name, level=spec or level, sampling=sampling, seed=seed)
 
 
@@ -107,15 +118,16 @@ def parse_methods(spec: str | Sequence[str]) -> list[str]:
     names = [m.strip() for m in (spec.split(",") if isinstance(spec, str) else spec) if m.strip()]
     def known(m: str) -> bool:
         name, _, variant = m.split(":")[0].partition("~")
-        if variant:
-            return name == "dytc" and variant in DYTC_VARIANTS
+        if variant and variant not in variants(name):
+            return False
         return name in BENCH_METHODS and not (":" in m and name in HF_METHODS)
 
     unknown = [m for m in names if not known(m)]
     if unknown or not names:
         raise CasspecError(f"unknown method(s) {', '.join(unknown) or '(none given)'}: "
                            f"use any of {', '.join(BENCH_METHODS)} (sd and tree take a level: sd:int8; "
-                           "vc and dytc levels: dytc:int4/int8; hc segments: hc:int4*4/pld*3; dytc variants: "
+                           "vc and dytc levels: dytc:int4/int8; hc segments: hc:int4*4/pld*3; the lookups beneath vc, "
+                           f"tree+vc, vc+hc, dytc: {', '.join('~' + v for v in BOTTOM_VARIANTS)}; dytc variants: "
                            f"{', '.join('dytc~' + v for v in DYTC_VARIANTS)})")
     for m in names:
         if ":" in m:

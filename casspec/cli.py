@@ -10,6 +10,7 @@ from typing import Sequence
 
 from dsia.errors import CasspecError
 from dsia.levels import LevelConfig
+from dytc.sources import DEFAULT_BOTTOM
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,11 +26,25 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None, help="cap the context window (tokens)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .engine import METHODS
+def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL file") -> None:
+    """The arguments of commands that run over a questions file."""
+    p.add_argument("--questions", required=True, help=help)
+    p.add_argument("--limit", type=int, default=None, help="first N questions only")
+    p.add_argument("--no-progress", action="store_true")
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="casspec", description="Lossless self-speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_generate_args, _bench_args, _levels_args, _profile_args, _ablate_args):
+        add(sub)
+    return parser
+
+
+def _generate_args(sub) -> None:
+    from dytc.sources import BOTTOMS
+
+    from .methods import METHODS
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     g.add_argument("prompt")
@@ -38,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--level", default="int4", help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
     g.add_argument("--levels", default=None, help="comma-separated sources of vc / dytc (e.g. int4,int8) or hc "
                    "segments (e.g. int4*4,int4+vocab*3,pld*3); default: the method's own")
+    g.add_argument("--bottom", default=DEFAULT_BOTTOM, choices=list(BOTTOMS), help="statistical lookups beneath "
+                   f"the levels of vc, tree+vc, vc+hc, dytc (default {DEFAULT_BOTTOM})")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -47,28 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="raw continuation, no chat template")
     g.add_argument("--stats", action="store_true", help="print generation stats to stderr")
 
+
+def _bench_args(sub) -> None:
     b = sub.add_parser("bench", help="Spec-Bench run: methods vs the HF transformers baseline")
-    b.add_argument("--questions", required=True, help="Spec-Bench-format JSONL file")
+    _questions(b)
     b.add_argument("--methods", default="hf-ar,hf-pld,ar", help="comma-separated methods")
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--limit", type=int, default=None, help="first N questions only")
     b.add_argument("--level", default="int4", help="draft level of sd / tree (or per method: sd:int8)")
     b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (sampled runs are seeded)")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--out", default="bench-out", help="output folder")
-    b.add_argument("--no-progress", action="store_true")
     _common(b)
 
+
+def _levels_args(sub) -> None:
     lv = sub.add_parser("levels", help="cost, agreement and memory of draft levels")
-    lv.add_argument("--questions", required=True, help="Spec-Bench-format JSONL file (first turns are used)")
-    lv.add_argument("--limit", type=int, default=None, help="first N questions only")
+    _questions(lv, "Spec-Bench-format JSONL file (first turns are used)")
     lv.add_argument("--levels", default=None, help="comma-separated level names (default: a standard set)")
     lv.add_argument("--max-new-tokens", type=int, default=128, help="continuation length scored per prompt")
     lv.add_argument("--json", action="store_true", help="print the JSON report")
-    lv.add_argument("--no-progress", action="store_true")
     _common(lv)
 
+
+def _profile_args(sub) -> None:
     pr = sub.add_parser("profile", help="latency of the target and draft levels over a grid, and its predictor")
     pr.add_argument("--levels", default=None, help="comma-separated level names (default: a standard set)")
     pr.add_argument("--quick", action="store_true", help="a reduced grid (under a minute)")
@@ -79,34 +98,36 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--no-progress", action="store_true")
     _common(pr)
 
+
+def _ablate_args(sub) -> None:
     ab = sub.add_parser("ablate", help="ablations of levels and cascade algorithms: table, JSON and plots")
-    ab.add_argument("--questions", required=True, help="Spec-Bench-format JSONL file")
-    ab.add_argument("--limit", type=int, default=None, help="first N questions only")
+    _questions(ab)
     ab.add_argument("--max-new-tokens", type=int, default=128)
     ab.add_argument("--rows", default=None, help="comma-separated bench method specs (default: the full ablation)")
     ab.add_argument("--out", default="results", help="results folder (finished rows there are skipped)")
     ab.add_argument("--readme", default=None, help="also write the table and plots into this README's "
                     "'ablate' section")
-    ab.add_argument("--no-progress", action="store_true")
     _common(ab)
-    return parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from dytc.sampling import SamplingParams
 
-    from .engine import Engine, Request
+    from .engine import Engine
+    from .request import Request
 
     if not args.prompt.strip():
         raise CasspecError("the prompt is empty: pass some text")
     levels = tuple(x.strip() for x in args.levels.split(",") if x.strip()) if args.levels else ()
     # validate everything before the (slow) load
     Request(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-            stop=tuple(args.stop), seed=args.seed, method=args.method, level=args.level, levels=levels)
+            stop=tuple(args.stop), seed=args.seed, method=args.method, level=args.level, levels=levels,
+            bottom=args.bottom)
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
     pieces = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, stop=args.stop, seed=args.seed,
-                             method=args.method, level=args.level, levels=levels, stream=True,
+                             method=args.method, level=args.level, levels=levels,
+                             bottom=args.bottom, stream=True,
                              chat=False if args.no_chat else None)
     for piece in pieces:
         sys.stdout.write(piece)

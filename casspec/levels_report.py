@@ -18,14 +18,16 @@ import torch
 from tqdm import tqdm
 
 from dsia.levels import Level, LevelConfig
-from dsia.skip import contiguous_skips, skip_plan
+from dsia.skip import SkipSwitch, contiguous_skips, skip_plan
 
 from .bench import Question
-from .engine import Engine, Request
+from .engine import Engine
+from .request import Request
 
 DEFAULT_LEVELS = ("int8", "int4", "nf4", "skip0.4", "skip0.6", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
 WARMUP_PROMPT = "Write a few paragraphs about the history of printing, from woodblocks to laser printers."
 CHUNK = 8  # tokens teacher-forced per draft forward when measuring agreement
+TIMING_TOKEN = 7  # the token a cost-ratio forward runs (any id: a dense forward's time does not depend on it)
 
 
 @dataclass
@@ -45,7 +47,7 @@ def _learn(engine: Engine, level: Level, tokens: int) -> None:
     hist = ids + cont
     engine.extend_prefix(hist[:-1])
     level.begin(engine.model, cache, hist)
-    while level.search is not None and not level.search.done:
+    while level.searching:
         level.observe(engine.model, cache, hist, [])
 
 
@@ -75,7 +77,7 @@ def _cost_ratio(engine: Engine, level: Level, repeats: int) -> tuple[float, floa
     """(median level ms, median target ms) of a 1-token forward at the current context."""
     model, cache = engine.model, engine.cache
     L = cache.length
-    tok, pos = torch.tensor([7]), torch.tensor([L])
+    tok, pos = torch.tensor([TIMING_TOKEN]), torch.tensor([L])
     lt, tt = [], []
     for r in range(repeats + 2):
         t0 = time.perf_counter()
@@ -94,7 +96,7 @@ def measure_levels(engine: Engine, questions: list[Question], names: list[str], 
                    repeats: int = 15, progress: bool = True) -> dict:
     levels = [engine.levels.get(n) for n in names]  # builds quantized copies once; bad names fail here
     for level in levels:
-        if level.search is not None and not level.search.done:
+        if level.searching:
             _learn(engine, level, max_new_tokens)
     data = {lv.name: Measured() for lv in levels}
     target_ms = []
@@ -104,8 +106,9 @@ def measure_levels(engine: Engine, questions: list[Question], names: list[str], 
         for level in levels:
             m = data[level.name]
             plans = [None]
-            if level.search is not None:
-                plans.append(skip_plan(contiguous_skips(engine.model.spec.n_layers, level.search.count)))
+            skip = level.switch(SkipSwitch)
+            if skip is not None:
+                plans.append(skip_plan(contiguous_skips(engine.model.spec.n_layers, skip.search.count)))
             hits = _agreement(engine, level, prompt, cont, plans)
             m.agree += hits[0]
             m.total += len(cont) - 1
@@ -119,9 +122,10 @@ def measure_levels(engine: Engine, questions: list[Question], names: list[str], 
         m = data[level.name]
         row = {"cost_ratio": statistics.median(m.ratios), "agreement": m.agree / max(m.total, 1),
                "extra_bytes": level.extra_bytes}
-        if level.search is not None:
+        skip = level.switch(SkipSwitch)
+        if skip is not None:
             row["contiguous_agreement"] = m.contiguous_agree / max(m.total, 1)
-            row["skipped_sublayers"] = sorted(f"{k}{i}" for k, i in level.search.skips)
+            row["skipped_sublayers"] = sorted(f"{k}{i}" for k, i in skip.search.skips)
         out["levels"][level.name] = row
     return out
 

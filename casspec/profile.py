@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from dsia.errors import CasspecError
 from dsia.levels import LevelConfig
-from dytc.latency import (PROFILE_VERSION, TARGET, FeatureSpec, LatencyModel, Point, heldout_mape, machine_info,
+from dsia.vocab import VocabConfig
+from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyModel, Point, heldout_mape, machine_info,
                           split_heldout)
 from dytc.tree import ancestor_mask, position_ids
 
@@ -75,7 +76,7 @@ def _contexts(engine: Engine, cfg: ProfileConfig) -> list[int]:
 
 @torch.inference_mode()
 def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> list[Point]:
-    """Time every (level, shape, T, C) point of the grid; the target is level TARGET."""
+    """Time every (level, shape, T, C) point of the grid; the target is level TARGET_LEVEL."""
     for name in cfg.levels:
         LevelConfig.parse(name)
     levels = [engine.levels.get(n) for n in cfg.levels]  # builds quantized copies once
@@ -84,7 +85,7 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> l
     gen = torch.Generator().manual_seed(cfg.seed)
     # prefill ids from the low (frequent, in BPE merge order) ids, as in text: a reduced-vocab level's head then
     # keeps its usual size instead of growing with thousands of distinct random ids
-    high = min(model.spec.vocab_size, 8192)
+    high = min(model.spec.vocab_size, VocabConfig.frequent)
     ids = torch.randint(3, high, (max(contexts) + 1,), generator=gen).tolist()
     total = len(contexts) * (len(levels) + 1) * len(cfg.shapes) * len(cfg.tokens)
     bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, file=sys.stderr,
@@ -94,7 +95,7 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> l
         cache.rollback(0)
         engine.extend_prefix(ids[:C])
         calls: list[tuple[str, int, bool, object]] = []  # (level name, T, tree, the timed call)
-        for name, level in [(TARGET, None)] + list(zip(cfg.levels, levels)):
+        for name, level in [(TARGET_LEVEL, None)] + list(zip(cfg.levels, levels)):
             if level is not None:
                 level.begin(model, cache, ids[:C + 1])
                 name = level.name
@@ -141,7 +142,8 @@ def profile(engine: Engine, cfg: ProfileConfig = ProfileConfig(), progress: bool
     points = measure_grid(engine, cfg, progress)
     seconds = time.perf_counter() - t0
     train, held = split_heldout(points, cfg.heldout, cfg.seed)
-    predictor = LatencyModel.fit(feature_spec(engine), train, weight_bytes={TARGET: engine.model.weight_bytes()})
+    predictor = LatencyModel.fit(feature_spec(engine), train,
+                                 weight_bytes={TARGET_LEVEL: engine.model.weight_bytes()})
     heldset = set(held)
     return {
         "version": PROFILE_VERSION,

@@ -1,4 +1,5 @@
-"""Weight-only quantized copies of a Transformer's linear weights, as kernels for a `Plan`.
+"""Weight-only quantized copies of a Transformer's linear weights, as kernels for a `Plan`; the `int8` / `int4` /
+`nf4` draft strategies.
 
 `quantize_linears(model, QuantConfig("int4"))` builds, once, a quantized copy of every projection (q, k, v, o,
 gate, up, down of every layer) and of the LM head, and returns them as `Plan.linears` / `Plan.head` kernels.
@@ -6,10 +7,10 @@ The model's own tensors are only read; the embedding lookup stays full precision
 
 Kinds (weight-only, activations go through the kernel in `act_dtype`, the output comes back in x's dtype):
   int8      per-output-channel symmetric int8, `torch._weight_int8pack_mm`: w = q * scale[out]
-  int8g     group-wise symmetric int8 (GGUF Q8_0 style), run as two 4-bit planes through the int4 kernel
   int4      group-wise asymmetric 4-bit, `torch._weight_int4pack_mm_for_cpu`: w = (q - 8) * scale[g, out] + zero[g, out]
   nf4       bitsandbytes NF4 (block absmax), its fused AVX512-BF16 CPU kernel
-  int8-bnb  bitsandbytes vector-wise int8 (weights per row, activations per token, int8 x int8 matmul)
+and, for the LM head only (the quantized levels' head: a 4-bit head costs most agreement):
+  int8g     group-wise symmetric int8 (GGUF Q8_0 style), run as two 4-bit planes through the int4 kernel
 
 A matrix whose shape a kernel cannot take (int4/int8g: out % 16, in % group_size; nf4: out % 32, in % group_size)
 falls back to int8; `QuantizedLinears.kinds` says what each matrix got. Shapes: T = tokens, in/out = features.
@@ -19,10 +20,12 @@ handed to the Plan as `Plan.fused` kernels whose output columns the runtime spli
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -30,8 +33,10 @@ from torch import Tensor
 from .errors import CasspecError
 from .model import Transformer
 from .plan import HeadFn, LinearFn, Plan
+from .strategy import HasBytes, Resources, Strategy, Switch
 
-KINDS = ("int8", "int8g", "int4", "nf4", "int8-bnb")
+KINDS = ("int8", "int4", "nf4")  # body kinds, each a level name
+HEAD_KINDS = KINDS + ("int8g",)  # LM head kinds
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 NF4_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes.functional.quantize_4bit accepts
 HEAD = "head"  # key of the LM head in QuantizedLinears.kinds
@@ -39,16 +44,18 @@ HEAD = "head"  # key of the LM head in QuantizedLinears.kinds
 
 @dataclass(frozen=True)
 class QuantConfig:
-    kind: str  # "int8" | "int8g" | "int4" | "nf4" | "int8-bnb"
+    kind: str  # body kind: "int8" | "int4" | "nf4"
     group_size: int = 32  # int4/int8g: input columns per scale (32 = GGUF Q4_1/Q8_0 blocks); nf4: bnb blocksize
     act_dtype: torch.dtype = torch.bfloat16  # activations inside the torch int8/int4 kernels (bf16: 10-25x fp32 here)
     head_kind: str | None = "int8g"  # LM head kind; None = same as kind (int8g: a 4-bit head costs most agreement)
     fuse: bool = True  # one kernel for q|k|v and one for gate|up per layer
 
     def __post_init__(self) -> None:
-        for k in (self.kind, self.head_kind or self.kind):
-            if k not in KINDS:
-                raise CasspecError(f"unknown quantization kind {k!r}: use one of {', '.join(KINDS)}")
+        if self.kind not in KINDS:
+            raise CasspecError(f"unknown quantization kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        if self.head_kind is not None and self.head_kind not in HEAD_KINDS:
+            raise CasspecError(f"unknown LM head quantization kind {self.head_kind!r}: use one of "
+                               f"{', '.join(HEAD_KINDS)}")
         if self.group_size < 2:
             raise CasspecError(f"group size must be at least 2, got {self.group_size}")
         if {"int4", "int8g"} & {self.kind, self.head_kind} and self.group_size not in INT4_GROUP_SIZES:
@@ -169,27 +176,7 @@ class NF4Linear:
         return _nbytes(self.packed, self.state.absmax, self.state.code)
 
 
-class BnbInt8Linear:
-    """bitsandbytes vector-wise int8 (LLM.int8() without the outlier split): weights quantized per output row,
-    activations per token at call time, int8 x int8 -> int32 matmul, then rescaled. x [T, in] -> y [T, out]."""
-
-    kind = "int8-bnb"
-
-    def __init__(self, w: Tensor) -> None:
-        _, self._F = _bitsandbytes()
-        self.q, self.row_absmax, _ = self._F.int8_vectorwise_quant(w.detach().float().contiguous())  # [out, in], [out]
-
-    def __call__(self, x: Tensor) -> Tensor:
-        xq, x_absmax, _ = self._F.int8_vectorwise_quant(x.float().contiguous())  # [T, in] int8, [T]
-        acc = self._F.int8_linear_matmul(xq, self.q)  # [T, out] int32
-        return self._F.int8_mm_dequant(acc, x_absmax, self.row_absmax).to(x.dtype)  # [T, out]
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.q, self.row_absmax)
-
-
-QuantLinear = Int8Linear | Int8GroupLinear | Int4Linear | NF4Linear | BnbInt8Linear
+QuantLinear = Int8Linear | Int8GroupLinear | Int4Linear | NF4Linear
 
 
 class FusedLinear:
@@ -231,8 +218,6 @@ def quantize_weight(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear:
         return cls(w, cfg.group_size, cfg.act_dtype)
     if kind == "nf4" and nf4_fits(out, n_in, cfg.group_size):
         return NF4Linear(w, cfg.group_size)
-    if kind == "int8-bnb":
-        return BnbInt8Linear(w)
     return Int8Linear(w, cfg.act_dtype)
 
 
@@ -266,7 +251,7 @@ def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int]
     Built once; the model's tensors are only read (a fused matrix is a new concatenation). Returns kernels keyed
     like `Plan.linears`; `.plan()` wraps them in a Plan.
     """
-    if {"nf4", "int8-bnb"} & {cfg.kind, cfg.head_kind}:
+    if "nf4" in (cfg.kind, cfg.head_kind):
         _bitsandbytes()  # fail early, with the install hint
     idx = range(model.spec.n_layers) if layers is None else sorted(set(layers))
     q = QuantizedLinears(linears={}, head=None, nbytes=0)
@@ -292,6 +277,45 @@ def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int]
     return q
 
 
+# ---------------------------------------------------------------------------------------------- strategy
+@dataclass(frozen=True)
+class Quant(Strategy):
+    """`int8` | `int4` | `nf4`: every projection and the LM head (int8g) run quantized copies."""
+
+    kind: str  # body kind, one of KINDS
+
+    FORMS: ClassVar[tuple[str, ...]] = KINDS
+    KEY: ClassVar[str] = "quant"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise CasspecError(f"unknown quantization kind {self.kind!r}: use one of {', '.join(KINDS)}")
+
+    @classmethod
+    def parse(cls, part: str) -> Quant | None:
+        return cls(part) if part in KINDS else None
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    def bind(self, resources: Resources) -> Switch:
+        cfg = QuantConfig(self.kind)
+        return QuantSwitch(resources.get(("quant", cfg), lambda model: quantize_linears(model, cfg)))
+
+
+class QuantSwitch(Switch):
+    def __init__(self, q: QuantizedLinears) -> None:
+        self.q = q  # shared by every level of this kind
+
+    def extend(self, plan: Plan) -> Plan:
+        return dataclasses.replace(plan, linears=self.q.linears, fused=self.q.fused, head=self.q.head)
+
+    @property
+    def holds(self) -> tuple[HasBytes, ...]:
+        return (self.q,)
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 def _nbytes(*tensors: Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -306,7 +330,7 @@ def _bitsandbytes():
     try:
         bnb = importlib.import_module("bitsandbytes")
     except ImportError:
-        raise CasspecError("nf4 / int8-bnb quantization needs bitsandbytes: pip install bitsandbytes") from None
+        raise CasspecError("nf4 quantization needs bitsandbytes: pip install bitsandbytes") from None
     finally:
         log.setLevel(level)
     return bnb, importlib.import_module("bitsandbytes.functional")

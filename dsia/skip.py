@@ -6,21 +6,34 @@ teacher-forced forward over the existing cache (written to scratch, the committe
 primary score top-1 agreement, tie-break the mean probability of the right token. It first scores each
 sublayer skipped alone and starts from the least harmful ones, then proposes random swaps and keeps
 improvements, one evaluation per call, so that it can be interleaved with decoding; it stops at a target
-agreement or after a budget, and the set is then reused (cached per model).
+agreement or after a budget, and the set is then kept (for the level's later prompts too).
+
+The `skipR` draft strategy: a fraction R of all sublayers skipped, the set searched on top of the level's
+other switches.
 """
 from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from .errors import CasspecError
 from .kvcache import KVCache
 from .model import Transformer
 from .plan import Plan
+from .strategy import Resources, Strategy, Switch
 
 Sublayer = tuple[str, int]  # ("attn" | "mlp", layer index)
+# the search waits for this many committed tokens: a candidate is scored on the last min(window, length - 1) of
+# them (teacher-forced, behind at least one visible token), and fewer than 8 scored tokens are too few to rank sets
+MIN_COMMITTED = 9
+# a proposal swaps this many skipped sublayers for kept ones, drawn uniformly: one twice as often as two (small
+# moves refine a good set, an occasional double swap escapes a local optimum)
+SWAP_SIZES = (1, 1, 2)
 
 
 def skippable(n_layers: int) -> list[Sublayer]:
@@ -97,7 +110,7 @@ class SkipSearch:
 
     def step(self, model: Transformer, cache: KVCache, history: list[int], base: Plan | None = None) -> None:
         """One evaluation of one candidate set, scored on the latest committed tokens."""
-        if self.done or cache.length < 9:
+        if self.done or cache.length < MIN_COMMITTED:
             return
         self.evals += 1
         if len(self.single) < len(self.candidates):  # phase 1: one sublayer at a time
@@ -118,7 +131,7 @@ class SkipSearch:
         """Swap one or two skipped sublayers for kept ones, kept ones drawn by their phase-1 score."""
         skipped = sorted(self.skips)
         kept = [s for s in self.candidates if s not in self.skips]
-        n = min(self.rng.choice((1, 1, 2)), len(skipped), len(kept))
+        n = min(self.rng.choice(SWAP_SIZES), len(skipped), len(kept))
         out = set(skipped)
         for s in self.rng.sample(skipped, n):
             out.remove(s)
@@ -129,3 +142,53 @@ class SkipSearch:
 
     def plan(self, base: Plan | None = None) -> Plan:
         return skip_plan(self.skips, base)
+
+
+# ---------------------------------------------------------------------------------------------- strategy
+_FORM = re.compile(r"^skip(0?\.\d+)$")
+
+
+@dataclass(frozen=True)
+class Skip(Strategy):
+    """`skipR`: a fraction R of all sublayers skipped, the set searched on the fly over the level's other switches."""
+
+    ratio: float  # fraction of all sublayers skipped, in (0, 1)
+
+    FORMS: ClassVar[tuple[str, ...]] = ("skipR (0 < R < 1)",)
+    KEY: ClassVar[str] = "skip"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ratio < 1:
+            raise CasspecError("the skip fraction must be in (0, 1)")
+
+    @classmethod
+    def parse(cls, part: str) -> Skip | None:
+        m = _FORM.match(part)
+        return cls(float(m.group(1))) if m else None
+
+    @property
+    def name(self) -> str:
+        return f"skip{self.ratio:g}"
+
+    def bind(self, resources: Resources) -> Switch:
+        # one search per level: its scores are only comparable over one plan of the other switches
+        return SkipSwitch(SkipSearch(resources.model.spec.n_layers, SkipSearchConfig(ratio=self.ratio)))
+
+
+class SkipSwitch(Switch):
+    def __init__(self, search: SkipSearch) -> None:
+        self.search = search
+
+    def extend(self, plan: Plan) -> Plan:
+        return self.search.plan(plan)
+
+    @property
+    def searching(self) -> bool:
+        return not self.search.done
+
+    def step(self, model: Transformer, cache: KVCache, history: list[int], others: Plan) -> None:
+        self.search.step(model, cache, history, others)
+
+    @property
+    def writes_all_layers(self) -> bool:
+        return not any(kind == "attn" for kind, _ in self.search.skips)

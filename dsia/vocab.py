@@ -6,15 +6,24 @@ token ids: BPE assigns ids in merge order, so low ids are the frequent pieces). 
 logit -inf, so the draft never proposes them and their draft probability is exactly 0: verification, which
 always uses the full head, stays exact (greedy) and lossless (sampling, since q is the distribution the draft
 really sampled from).
+
+The `vocab` draft strategy: the level's head scores the prompt's and output's tokens plus the frequent set (it wins
+over a quantized head when mixed).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from typing import ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .kvcache import KVCache
+from .model import Transformer
+from .plan import Plan
+from .strategy import HasBytes, Resources, Strategy, Switch
 
 
 @dataclass(frozen=True)
@@ -65,3 +74,42 @@ class VocabHead:
         out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
         out[:, self.ids[:self.n]] = sub.float()
         return out  # [N, V]
+
+
+# ---------------------------------------------------------------------------------------------- strategy
+@dataclass(frozen=True)
+class Vocab(Strategy):
+    """`vocab`: a reduced-vocabulary head (its own subset per level, grown from the committed tokens)."""
+
+    FORMS: ClassVar[tuple[str, ...]] = ("vocab",)
+    KEY: ClassVar[str] = "vocab"
+
+    @classmethod
+    def parse(cls, part: str) -> Vocab | None:
+        return cls() if part == "vocab" else None
+
+    @property
+    def name(self) -> str:
+        return "vocab"
+
+    def bind(self, resources: Resources) -> Switch:
+        return VocabSwitch(VocabHead(resources.model.lm_head, VocabConfig()))
+
+
+class VocabSwitch(Switch):
+    def __init__(self, head: VocabHead) -> None:
+        self.head = head
+
+    def extend(self, plan: Plan) -> Plan:
+        return dataclasses.replace(plan, head=self.head)
+
+    def begin(self, model: Transformer, cache: KVCache, history: list[int]) -> None:
+        self.head.reset()
+        self.head.add(history)
+
+    def observe(self, model: Transformer, cache: KVCache, history: list[int], emitted: list[int]) -> None:
+        self.head.add(emitted)
+
+    @property
+    def holds(self) -> tuple[HasBytes, ...]:
+        return (self.head,)

@@ -1,10 +1,10 @@
 """Online acceptance estimates: exponential moving averages of how often drafted tokens are accepted.
 
 A drafted token is *tested* when its parent is on the accepted path (the target looked at it) and *accepted* when
-it is on the path itself. Tokens are grouped by (source, bucket): the source is the level that proposed the token
-("pld" for prompt lookup), the bucket a coarse measure of the draft's own belief in it — the draft probability of
-the token for a neural level, the match length for prompt lookup. After each verification every group with
-tested tokens moves toward its recent rate: a <- lam * a + (1 - lam) * a_recent, where a_recent is accepted /
+it is on the path itself. Tokens are grouped by (source, bucket): the source is what proposed the token (a level,
+or a lookup such as "pld": dytc/sources.py), the bucket a coarse measure of the draft's own belief in it — the
+draft probability of the token for a neural level, the match length for a lookup. After each verification every
+group with tested tokens moves toward its recent rate: a <- lam * a + (1 - lam) * a_recent, where a_recent is accepted /
 tested over the group's last `window` steps with tested tokens (CAS-Spec: lam = 0.7 over a window of about 20
 steps; a windowed rate keeps one rejected token from cutting the estimate by 30%). A per-source average over all
 buckets values tokens not drafted yet (the planner's lookahead), and a bucket's estimate is shrunk toward it by
@@ -17,15 +17,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-PLD = "pld"  # source name of prompt-lookup tokens
-OVERRULED = "pld!"  # a prompt-lookup token that a draft level reviewed and disagreed with
-SIBLING = "#sib"  # suffix of a level's source name for tokens other than its top-1 (siblings)
-
-
-def sibling(level: str) -> str:
-    """The source name of a level's lower-ranked tokens: they are accepted far less often than a top-1 token of
-    the same draft probability, so they are estimated apart."""
-    return level + SIBLING
+from .sources import OVERRULED, SIBLING, is_lookup
 
 
 @dataclass(frozen=True)
@@ -36,6 +28,9 @@ class AcceptanceConfig:
     prob_edges: tuple[float, ...] = (0.1, 0.2, 0.4, 0.6, 0.8, 0.9, 0.97)  # draft-probability bucket edges
     max_match: int = 4  # prompt-lookup match lengths >= this share a bucket
     prior_level: float = 0.8  # start value of a neural level's per-source average
+    prior_lookup: float = 0.5  # start value of a lookup's per-source average (a 1-token match's n / (n + 1))
+    prior_overruled: float = 0.1  # start value of a lookup token that a level disagreed with
+    prior_sibling: float = 0.5  # a sibling's start value, as a fraction of a top-1 token's of the same probability
     floor: float = 0.01  # estimates never reach 0 or 1: a source can always win back trust
     ceil: float = 0.995
 
@@ -49,19 +44,19 @@ class AcceptanceTracker:
     recent: dict[tuple[str, int] | str, deque] = field(default_factory=dict)  # key -> last steps' (tested, accepted)
 
     def bucket(self, source: str, belief: float) -> int:
-        """belief: the draft probability of the token (a level) or the match length (pld)."""
-        if source in (PLD, OVERRULED):
+        """belief: the draft probability of the token (a level) or the match length (a lookup)."""
+        if is_lookup(source):
             return max(0, min(int(belief), self.cfg.max_match))
         return bisect.bisect_right(self.cfg.prob_edges, belief)
 
     def _prior(self, source: str, bucket: int) -> float:
-        if source == PLD:
+        if source.endswith(OVERRULED):
+            return self.cfg.prior_overruled
+        if is_lookup(source):
             return bucket / (bucket + 1.0)  # match length n -> n / (n + 1)
-        if source == OVERRULED:
-            return 0.1
         edges = (0.0,) + self.cfg.prob_edges + (1.0,)
         mid = 0.5 * (edges[bucket] + edges[bucket + 1])
-        return 0.5 * mid if source.endswith(SIBLING) else mid  # as if the draft were calibrated
+        return self.cfg.prior_sibling * mid if source.endswith(SIBLING) else mid  # as if the draft were calibrated
 
     def estimate(self, source: str, belief: float) -> float:
         """Probability that a token from `source` with this belief is accepted, given its parent is."""
@@ -75,11 +70,12 @@ class AcceptanceTracker:
         """A bucket's estimate; a bucket not seen yet starts from its source's average where that exists."""
         if key in self.rates:
             return self.rates[key]
-        return self.overall[key[0]] if key[0] in self.overall and key[0] != PLD else self._prior(*key)
+        lookup = is_lookup(key[0]) and not key[0].endswith(OVERRULED)  # a match length's prior beats the average
+        return self.overall[key[0]] if key[0] in self.overall and not lookup else self._prior(*key)
 
     def mean(self, source: str) -> float:
         """Acceptance of a typical token of `source` (for tokens not drafted yet)."""
-        return self.overall.get(source, self.cfg.prior_level if source not in (PLD, OVERRULED) else 0.5)
+        return self.overall.get(source, self.cfg.prior_lookup if is_lookup(source) else self.cfg.prior_level)
 
     def update(self, outcomes: list[tuple[str, float, bool]]) -> None:
         """One verification's tested tokens: (source, belief, accepted)."""

@@ -1,16 +1,18 @@
-"""CS Drafting's cascades (arXiv 2312.11462) over dsia levels, with prompt lookup as the zero-cost bottom.
+"""CS Drafting's cascades (arXiv 2312.11462) over dsia levels, with statistical lookups as the zero-cost bottom.
 
 Both draft a chain (deterministic tokens: q one-hot, lossless under sampling too); the target verifies it once.
 
-  vc     vertical cascade over sources [S_1, ..., S_m, pld] (strongest first). S_i drafts its tokens by
+  vc     vertical cascade over sources [S_1, ..., S_m, bottom] (strongest first). S_i drafts its tokens by
          reviewing a proposal of the next source down: one S_i forward over its pending chain tokens plus the
          proposal gives S_i's own next token after each of them; the proposal's tokens are kept while they
          equal S_i's (greedy review, no lenience), and S_i's token after the last kept one is appended. So
-         each S_i forward yields 1 + (matched proposal tokens) tokens. The bottom is prompt lookup (no forward);
-         when it has nothing, S_i just drafts its next token. The top source's chain is the draft.
+         each S_i forward yields 1 + (matched proposal tokens) tokens. The bottom is prompt lookup, Max-Gram, or
+         both (prompt lookup's proposal, else Max-Gram's; no forward); when it has nothing, S_i just drafts its
+         next token. The top source's chain is the draft.
   hc     horizontal cascade: the chain is cut into segments (CS Drafting's k-matrix, one row): the first k_1
-         tokens from S_1, the next k_2 from S_2, ..., stronger sources first since early tokens matter most.
-  vc+hc  both: each neural segment of hc is drafted vertically with prompt lookup beneath it.
+         tokens from S_1, the next k_2 from S_2, ..., stronger sources first since early tokens matter most; a
+         segment may be a lookup (`pld*3`, `maxgram*3`).
+  vc+hc  both: each neural segment of hc is drafted vertically with the bottom beneath it.
   tree+vc  vc's chain grown into a tree: the top level's forwards that drafted and reviewed the chain also give
          its distribution after every chain token, so its next most probable tokens become sibling leaves
          there at no extra forward; the chain and the most probable leaves (cumulative top-level probability)
@@ -29,9 +31,9 @@ import torch
 
 from dsia.levels import Level, reads_kv_of
 
-from .acceptance import PLD
-from .ngram import PromptLookup
+from .ngram import Lookup, new_lookup
 from .policies import DraftContext, Policy, prune
+from .sources import LOOKUPS, PLD
 from .tree import DraftTree
 
 
@@ -69,9 +71,8 @@ class ChainBuilder:
         start = next((j for j in range(upto + 1) if not self.readable(j, level.name)), upto)
         toks = self.tokens[start:upto + 1] + extra
         L = ctx.cache.length
-        logits = level.forward(ctx.model, ctx.cache, torch.tensor(toks, device=dev),
-                               torch.arange(L + start, L + start + len(toks), device=dev), L + start)  # [T, V]
-        ctx.draft_forwards += 1
+        logits, _ = ctx.run_level(level, toks, torch.arange(L + start, L + start + len(toks), device=dev),
+                                  L + start)  # [T, V]
         for j in range(start, upto + 1):
             self.kv[j] = level.name
         if level.name == self.alts_of:
@@ -90,10 +91,7 @@ class ChainBuilder:
         self.kv += [kv] * len(tokens)
 
     def tree(self) -> DraftTree:
-        tree = DraftTree.root(self.tokens[0])
-        for t in self.tokens[1:]:
-            tree.add(len(tree) - 1, t)
-        return tree
+        return DraftTree.chain(self.tokens[0], self.tokens[1:])
 
     def tree_with_siblings(self, max_nodes: int) -> DraftTree:
         """The chain plus, after each chain token, level alts_of's other top-k tokens as leaves: the whole chain
@@ -113,38 +111,43 @@ class ChainBuilder:
 
 
 class Cascade(Policy):
-    """`vc`, `hc` or `vc+hc` over named sources (levels and "pld")."""
+    """`vc`, `tree+vc`, `hc` or `vc+hc` over named sources (levels and lookups)."""
 
     def __init__(self, name: str, levels: dict[str, Level], segments: list[tuple[str, int]], below: list[str],
                  cfg: CascadeConfig = CascadeConfig(), siblings: bool = False) -> None:
         self.name = name
         self.levels = levels  # name -> Level, every neural source used
         self.segments = segments  # (source, tokens) in chain order
-        self.below = below  # sources proposing to a neural segment's level, next one down first ([]: none)
+        self.below = below  # sources proposing to a neural segment's level, next one down first; lookups last
         self.cfg = cfg
         self.siblings = siblings  # tree+vc: add the first segment level's alternatives as sibling leaves
+        self.lookups: dict[str, Lookup] = {}  # the lookups used, over this generation's history
 
     @staticmethod
-    def vc(levels: list[Level], cfg: CascadeConfig = CascadeConfig(), tree: bool = False) -> "Cascade":
-        """Vertical: the strongest level drafts cfg.vc_tokens, reviewing the next level's proposals, down to pld
-        (tree=True: tree+vc, the chain with the strongest level's alternatives as siblings)."""
+    def vc(levels: list[Level], bottom: tuple[str, ...] = (PLD,), cfg: CascadeConfig = CascadeConfig(),
+           tree: bool = False) -> "Cascade":
+        """Vertical: the strongest level drafts cfg.vc_tokens, reviewing the next level's proposals, down to the
+        bottom lookups (tree=True: tree+vc, the chain with the strongest level's alternatives as siblings)."""
         return Cascade("tree+vc" if tree else "vc", {lv.name: lv for lv in levels}, [(levels[0].name, cfg.vc_tokens)],
-                       [lv.name for lv in levels[1:]] + [PLD], cfg, siblings=tree)
+                       [lv.name for lv in levels[1:]] + list(bottom), cfg, siblings=tree)
 
     @staticmethod
-    def hc(levels: dict[str, Level], segments: list[tuple[str, int]], vertical: bool = False,
+    def hc(levels: dict[str, Level], segments: list[tuple[str, int]], bottom: tuple[str, ...] | None = None,
            cfg: CascadeConfig = CascadeConfig()) -> "Cascade":
-        return Cascade("vc+hc" if vertical else "hc", levels, segments, [PLD] if vertical else [], cfg)
+        """Horizontal over the segments; with a bottom, each neural segment is drafted vertically over it (vc+hc)."""
+        return Cascade("hc" if bottom is None else "vc+hc", levels, segments, list(bottom or ()), cfg)
 
     def begin(self, ctx: DraftContext) -> None:
         for lv in self.levels.values():
             lv.begin(ctx.model, ctx.cache, ctx.history)
-        self.lookup = PromptLookup(ctx.history, eos_ids=ctx.eos_ids)
+        names = {s for s, _ in self.segments if s in LOOKUPS} | {s for s in self.below if s in LOOKUPS}
+        self.lookups = {n: new_lookup(n, ctx.history, ctx.eos_ids) for n in sorted(names)}
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         for lv in self.levels.values():
             lv.observe(ctx.model, ctx.cache, ctx.history, emitted)
-        self.lookup.extend(emitted)
+        for lookup in self.lookups.values():
+            lookup.extend(emitted)
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         chain = ChainBuilder(ctx, self.levels, self.segments[0][0] if self.siblings else None, self.cfg.tree_top_k)
@@ -154,8 +157,8 @@ class Cascade(Policy):
             if k <= 0:
                 break
             before = len(chain.tokens)
-            if source == PLD:
-                chain.push(self.lookup.propose_after(chain.tokens[1:], k)[0], None)
+            if source in LOOKUPS:
+                chain.push(self.lookups[source].propose_after(chain.tokens[1:], k)[0], None)
             else:
                 self._extend(chain, source, k, self.below)
             if len(chain.tokens) == before or chain.tokens[-1] in ctx.eos_ids:
@@ -165,17 +168,21 @@ class Cascade(Policy):
         return chain.tree()
 
     def _propose(self, chain: ChainBuilder, below: list[str], k: int) -> list[int]:
-        """Up to k tokens continuing the chain from the next source down (recursively vertical)."""
+        """Up to k tokens continuing the chain from the next source down (recursively vertical); at the bottom,
+        the first lookup that has a proposal."""
         if not below or k <= 0:
             return []
-        if below[0] == PLD:
-            return self.lookup.propose_after(chain.tokens[1:], k)[0]
+        if below[0] in LOOKUPS:
+            for name in below:
+                tokens = self.lookups[name].propose_after(chain.tokens[1:], k)[0]
+                if tokens:
+                    return tokens
+            return []
         n0 = len(chain.tokens)
         self._extend(chain, below[0], k, below[1:])
         out = chain.tokens[n0:]
         del chain.tokens[n0:], chain.kv[n0:]  # a proposal only: the level above decides what stays
         return out
-
     def _extend(self, chain: ChainBuilder, name: str, k: int, below: list[str]) -> None:
         """Append k tokens drafted by level `name`, each of its forwards reviewing a proposal from below."""
         level, eos = self.levels[name], chain.ctx.eos_ids

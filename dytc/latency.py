@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-TARGET = "target"  # the level name under which the target's own forward is profiled
+TARGET_LEVEL = "target"  # the level name under which the target's own forward is profiled
 KNOTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # token counts where the latency's slope in T may change
 DEFAULT_PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # the repo's profiles/ folder
 PROFILE_VERSION = 1
@@ -65,7 +65,7 @@ class FeatureSpec:
 
 @dataclass(frozen=True)
 class Point:
-    level: str  # level name, or TARGET
+    level: str  # level name, or TARGET_LEVEL
     tokens: int  # T, tokens in the forward
     context: int  # C, committed tokens before them
     tree: bool  # tree mask (True) or chain (False)
@@ -199,7 +199,7 @@ class LatencyModel:
     def cost_ratio(self, level: str, tokens: int, context: int, tree: bool = False) -> tuple[float, float]:
         """(ratio, std) of the level's forward vs the target's 1-token step at the same context (delta method)."""
         lm, ls = self.predict_ms(level, tokens, context, tree)
-        tm, ts = self.predict_ms(TARGET, 1, context)
+        tm, ts = self.predict_ms(TARGET_LEVEL, 1, context)
         ratio = lm / tm
         return ratio, abs(ratio) * math.hypot(ls / max(abs(lm), 1e-9), ts / max(abs(tm), 1e-9))
 
@@ -288,11 +288,3 @@ def select_profile(machine: dict, model: str, dtype: str, folder: str | Path | N
         if ok and (best is None or str(prof.get("created", "")) >= best[0]):
             best = (str(prof.get("created", "")), path)
     return best[1] if best else None
-
-
-def load_predictor(machine: dict, model: str, dtype: str, folder: str | Path | None = None) -> LatencyModel | None:
-    """The predictor of the matching profile, or None (the caller then learns online from its own timings)."""
-    path = select_profile(machine, model, dtype, folder)
-    if path is None:
-        return None
-    return LatencyModel.from_json(json.loads(path.read_text())["predictor"])

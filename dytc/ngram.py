@@ -9,9 +9,7 @@ pld: HF transformers' prompt lookup (`prompt_lookup_num_tokens`, `PromptLookupCa
     run into the suffix itself). The first n with such an occurrence wins, even when its continuation is short.
     The proposal is cut before its first EOS; if that leaves nothing, nothing is proposed (no retry with a
     smaller n), as in HF. The index, per n: n-gram -> start of its first occurrence (HF's choice; valid iff it is
-    not the suffix itself) and of its latest one, and per start the start of the previous occurrence of the same
-    n-gram (a linked list, most recent first, for `propose_tree`). Flat int containers: nothing per n-gram for
-    the garbage collector to traverse.
+    not the suffix itself), in flat dicts: nothing per n-gram for the garbage collector to traverse.
     Note: HF's default max_matching_ngram_size is 2; `hf-pld` compares like for like only with the same value.
 
 maxgram: CS Drafting's Max-Gram (arXiv 2312.11462). A suffix automaton of the history gives, in amortised O(1)
@@ -27,19 +25,24 @@ maxgram: CS Drafting's Max-Gram (arXiv 2312.11462). A suffix automaton of the hi
     successor is a better guess than the first occurrence's successor. Drafting stops at EOS, or when the last
     token has no successor in the history.
 
+Both implement `Lookup`: `extend` the history with committed tokens, `propose_after(extra, k)` the tokens that
+continue history + extra (extra: drafted tokens not committed yet, e.g. a tree path) with the match length behind
+the first one, which the router's acceptance estimates bucket by. `LOOKUPS` makes one by source name.
+
 Confidence (per draft token, in [0, 1], conditional on the earlier draft tokens being right; a path's confidence
 is the product): a token copied after an n-token match gets match_confidence(n) = n / (n + 1) (1 -> 0.5,
-2 -> 0.67, 3 -> 0.75, 9 -> 0.9); a bigram token gets 0.5 * count(a -> b) / count(a -> *), at most 0.5.
+2 -> 0.67, 3 -> 0.75, 9 -> 0.9); a bigram token gets BIGRAM_CONFIDENCE * count(a -> b) / count(a -> *), at most 0.5.
 """
 from __future__ import annotations
 
 from typing import Collection, Protocol, Sequence
 
-from .tree import DraftTree
+from .sources import MAXGRAM, PLD
 
 PLD_MAX_NGRAM = 3  # the prompt-lookup-decoding reference's default (HF's max_matching_ngram_size defaults to 2)
 PLD_NUM_TOKENS = 10  # tokens proposed per step (`prompt_lookup_num_tokens` of hf-pld)
 MAXGRAM_MIN_MATCH = 2  # Max-Gram copies after matches of at least this many tokens, else uses the bigram table
+BIGRAM_CONFIDENCE = 0.5  # a bigram-table token's confidence at frequency 1 (a 1-token match's n / (n + 1))
 
 
 def match_confidence(n: int) -> float:
@@ -47,29 +50,15 @@ def match_confidence(n: int) -> float:
     return n / (n + 1)
 
 
-class NGramDrafter(Protocol):
-    name: str
+class Lookup(Protocol):
+    name: str  # its source name (dytc/sources.py)
     tokens: list[int]  # the history: every committed token so far; tokens[-1] is the tree root
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append committed tokens to the history."""
 
-    def propose(self, k: int) -> tuple[list[int], list[float]]:
-        """Up to k draft tokens continuing the history, and the confidence of each."""
-
-
-def chain_tree(root: int, tokens: Sequence[int]) -> DraftTree:
-    """A chain DraftTree: root -> tokens[0] -> tokens[1] -> ... (deterministic drafts, q = None)."""
-    tree = DraftTree.root(root)
-    for t in tokens:
-        tree.add(len(tree) - 1, t)
-    return tree
-
-
-def draft_chain(drafter: NGramDrafter, k: int) -> tuple[DraftTree, list[float]]:
-    """The drafter's proposal as a chain rooted at the last history token; confidences per node (root: 1.0)."""
-    tokens, conf = drafter.propose(k)
-    return chain_tree(drafter.tokens[-1], tokens), [1.0] + conf
+    def propose_after(self, extra: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens continuing history + extra, and the match length behind the first one (0: none)."""
 
 
 def _cut_eos(tokens: list[int], eos_ids: Collection[int]) -> list[int]:
@@ -82,7 +71,7 @@ def _cut_eos(tokens: list[int], eos_ids: Collection[int]) -> list[int]:
 class PromptLookup:
     """Prompt lookup decoding, matching HF's PromptLookupCandidateGenerator (see the module docstring)."""
 
-    name = "pld"
+    name = PLD
 
     def __init__(self, tokens: Sequence[int] = (), max_ngram: int = PLD_MAX_NGRAM,
                  eos_ids: Collection[int] = ()) -> None:
@@ -90,23 +79,16 @@ class PromptLookup:
         self.max_ngram = max_ngram
         self.eos_ids = frozenset(eos_ids)
         self.tokens: list[int] = []
-        # per n (index 0 unused): n-gram -> start of its first / latest occurrence; start -> start of the previous
-        # occurrence of the n-gram starting there (-1: none)
-        self.first: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
-        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
-        self.prev: list[list[int]] = [[] for _ in range(max_ngram + 1)]
+        self.first: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]  # per n: n-gram -> start
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        hist, first, latest, prev = self.tokens, self.first, self.latest, self.prev
+        hist, first = self.tokens, self.first
         for t in tokens:
             hist.append(int(t))
             end = len(hist)
             for n in range(1, min(self.max_ngram, end) + 1):
-                gram = tuple(hist[end - n:])
-                first[n].setdefault(gram, end - n)
-                prev[n].append(latest[n].get(gram, -1))  # prev[n][end - n]
-                latest[n][gram] = end - n
+                first[n].setdefault(tuple(hist[end - n:]), end - n)
 
     def match(self) -> tuple[int, int]:
         """HF's match: (n, start of the occurrence) for the largest n whose suffix n-gram occurs earlier, taking
@@ -140,51 +122,12 @@ class PromptLookup:
                 return out, (n if out else 0)
         return [], 0
 
-    def propose_tree(self, k: int = PLD_NUM_TOKENS, width: int = 4,
-                     max_scan: int = 16) -> tuple[DraftTree, list[float]]:
-        """Up to `width` continuations from different earlier occurrences, merged into a trie rooted at the last
-        history token. Branch 0 is `propose(k)` (so the tree contains HF's chain); the others come from the other
-        occurrences of the suffix n-grams, n from max_ngram down to 1, most recent first (at most max_scan
-        occurrences looked at). Returns the tree and a confidence per node (root: 1.0; a node shared by
-        branches keeps its first branch's confidence)."""
-        hist, L = self.tokens, len(self.tokens)
-        assert hist, "a draft tree needs a root: the history is empty"
-        tree, conf = DraftTree.root(hist[-1]), [1.0]
-        if k <= 0 or width <= 0:
-            return tree, conf
-        child: dict[tuple[int, int], int] = {}
-
-        def insert(tokens: list[int], c: float) -> int:
-            """Add a continuation to the trie; 1 if it made a new branch, else 0."""
-            node, grew = 0, 0
-            for t in tokens:
-                nxt = child.get((node, t))
-                if nxt is None:
-                    nxt = child[(node, t)] = tree.add(node, t)
-                    conf.append(c)
-                    grew = 1
-                node = nxt
-            return grew
-
-        n0, _ = self.match()
-        branches = insert(self.propose(k)[0], match_confidence(n0))
-        scanned = 0
-        for n in range(min(self.max_ngram, L - 1), 0, -1):
-            s = self.prev[n][L - n]  # the latest occurrence is the suffix itself: start before it
-            while s >= 0:
-                if branches >= width or scanned >= max_scan:
-                    return tree, conf
-                scanned += 1
-                branches += insert(_cut_eos(hist[s + n:s + n + k], self.eos_ids), match_confidence(n))
-                s = self.prev[n][s]
-        return tree, conf
-
 
 class MaxGram:
     """CS Drafting's Max-Gram over a suffix automaton, with an online greedy bigram fallback (see the module
     docstring)."""
 
-    name = "maxgram"
+    name = MAXGRAM
 
     def __init__(self, tokens: Sequence[int] = (), min_match: int = MAXGRAM_MIN_MATCH,
                  eos_ids: Collection[int] = ()) -> None:
@@ -252,46 +195,66 @@ class MaxGram:
         return (self.length[v], self.first[v]) if v > 0 else (0, -1)
 
     def propose(self, k: int) -> tuple[list[int], list[float]]:
+        """Up to k tokens continuing the history, and the confidence of each."""
+        tokens, conf, _ = self._draft((), k)
+        return tokens, conf
+
+    def propose_after(self, extra: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens continuing history + extra, and the match length behind the first one (a bigram-table
+        token counts as a 1-token match: the same evidence); 0 when nothing is proposed."""
+        tokens, _, match = self._draft(extra, k)
+        return tokens, match
+
+    def _draft(self, extra: Sequence[int], k: int) -> tuple[list[int], list[float], int]:
+        """Max-Gram token by token on history + extra + the tokens drafted so far: (tokens, confidences, match
+        length behind the first token)."""
         hist, L = self.tokens, len(self.tokens)
         if L == 0 or k <= 0:
-            return [], []
-        nxt, link, length, first = self.next, self.link, self.length, self.first
-        v = max(link[self.last], 0)  # state of the current match; invariant: v == 0 or first[v] <= L - 2
-        n = length[v]  # current match length (between length[link[v]] + 1 and length[v])
+            return [], [], 0
+        v = max(self.link[self.last], 0)  # state of the current match; invariant: v == 0 or first[v] <= L - 2
+        n = self.length[v]  # current match length (between length[link[v]] + 1 and length[v])
         prev = hist[-1]
+        for t in extra:
+            v, n = self._advance(v, n, t)
+            prev = t
         out: list[int] = []
         conf: list[float] = []
+        first_match = 0
         while len(out) < k:
             if n >= self.min_match:
-                t, c = hist[first[v] + 1], match_confidence(n)
+                t, c, m = hist[self.first[v] + 1], match_confidence(n), n
             else:
-                b = self.best.get(prev)
-                if b is None:  # prev has no successor in the history
+                t = self.best.get(prev)
+                if t is None:  # prev has no successor in the history
                     break
-                t = b
-                c = 0.5 * self.follow[prev][t] / self.total[prev]
+                c, m = BIGRAM_CONFIDENCE * self.follow[prev][t] / self.total[prev], 1
             if t in self.eos_ids:
                 break
             out.append(t)
             conf.append(c)
+            first_match = first_match or m
             prev = t
-            # the longest suffix of history + out that occurs in the history with a token after it
-            while v > 0 and t not in nxt[v]:
-                v = link[v]
-                n = length[v]
-            if t in nxt[v]:
-                v, n = nxt[v][t], n + 1
-            while v > 0 and first[v] >= L - 1:  # only occurrence ends at the last token: nothing follows
-                v = link[v]
-                n = length[v]
-        return out, conf
+            v, n = self._advance(v, n, t)
+        return out, conf, first_match
+
+    def _advance(self, v: int, n: int, t: int) -> tuple[int, int]:
+        """The state and length of the longest suffix of (text + t) that occurs in the history with a token after
+        it, from those of the text (v, n)."""
+        nxt, link, length, first, L = self.next, self.link, self.length, self.first, len(self.tokens)
+        while v > 0 and t not in nxt[v]:
+            v = link[v]
+            n = length[v]
+        if t in nxt[v]:
+            v, n = nxt[v][t], n + 1
+        while v > 0 and first[v] >= L - 1:  # only occurrence ends at the last token: nothing follows
+            v = link[v]
+            n = length[v]
+        return v, n
 
 
-DRAFTERS: dict[str, type] = {"pld": PromptLookup, "maxgram": MaxGram}
+LOOKUPS: dict[str, type] = {PLD: PromptLookup, MAXGRAM: MaxGram}  # source name -> lookup class
 
 
-def make_drafter(name: str, tokens: Sequence[int] = (), eos_ids: Collection[int] = ()) -> NGramDrafter:
-    """A drafter by method name (`pld` or `maxgram`) over an initial history."""
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown n-gram drafter {name!r}: use one of {', '.join(DRAFTERS)}")
-    return DRAFTERS[name](tokens, eos_ids=eos_ids)
+def new_lookup(name: str, tokens: Sequence[int], eos_ids: Collection[int]) -> Lookup:
+    """A lookup by source name over an initial history."""
+    return LOOKUPS[name](tokens, eos_ids=eos_ids)

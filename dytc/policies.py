@@ -30,8 +30,8 @@ from dsia.kvcache import KVCache
 from dsia.levels import Level
 from dsia.model import Transformer
 
-from .latency import TARGET, LatencyModel
-from .ngram import PromptLookup
+from .latency import TARGET_LEVEL, LatencyModel
+from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, PromptLookup
 from .sampling import SamplingParams, sample, warp
 from .tree import DraftTree, ancestor_mask, position_ids
 
@@ -45,13 +45,37 @@ class DraftContext:
     generator: torch.Generator | None
     eos_ids: frozenset[int] = frozenset()
     budget: int = 1 << 30  # tokens the generation may still emit
+    latency: LatencyModel | None = None  # learns every level forward's time (None: nothing learns)
     draft_forwards: int = 0  # level forwards run by the policy in this generation
+    draft_ms: float = 0.0  # their measured time
 
     @property
     def room(self) -> int:
         """Most tree nodes (root included) worth verifying: what fits in the token budget (a path of d draft tokens
         emits d + 1) and in the cache, leaving the slot AR would leave (so every method stops where AR stops)."""
         return max(1, min(self.cache.capacity - self.cache.length - 1, self.budget))
+
+    def run_level(self, level: Level, tokens: list[int], positions: torch.Tensor, start: int,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """The one way a policy runs a level: its logits [T, V] over `tokens` [T] at `positions` [T], written to
+        scratch slots [start, start + T) (mask [T, start + T - cache.length]: which tree nodes each token sees;
+        None: causal), and the forward's milliseconds, which the latency model learns."""
+        t0 = time.perf_counter()
+        logits = level.forward(self.model, self.cache, torch.tensor(tokens, device=self.model.device), positions,
+                               start, mask)  # [T, V]
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.draft_forwards += 1
+        self.draft_ms += ms
+        if self.latency is not None:
+            self.latency.observe(level.name, len(tokens), start, ms, tree=mask is not None)
+        return logits, ms
+
+    def commit(self, emitted: list[int]) -> None:
+        """After verification: the emitted tokens join the history (the last one is the next root)."""
+        self.history.extend(emitted)
+        self.budget -= len(emitted)
 
 
 class Policy:
@@ -74,7 +98,7 @@ class Policy:
 class PldPolicy(Policy):
     name = "pld"
 
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 3) -> None:
+    def __init__(self, num_tokens: int = PLD_NUM_TOKENS, max_ngram: int = PLD_MAX_NGRAM) -> None:
         self.num_tokens = num_tokens  # most tokens copied per step
         self.max_ngram = max_ngram  # longest n-gram matched
 
@@ -83,16 +107,13 @@ class PldPolicy(Policy):
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         tokens, _ = self.lookup.propose(min(self.num_tokens, ctx.room - 1))
-        tree = DraftTree.root(ctx.history[-1])
-        for t in tokens:
-            tree.add(len(tree) - 1, t)
-        return tree
+        return DraftTree.chain(ctx.history[-1], tokens)
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         self.lookup.extend(emitted)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChainConfig:
     max_tokens: int = 10  # longest chain drafted per step
     min_confidence: float = 0.4  # stop once the chain's cumulative draft probability falls below this
@@ -102,31 +123,16 @@ class ChainConfig:
 class LevelPolicy(Policy):
     """A policy drafting with one dsia level: the level calibrates on each prompt and learns after each step."""
 
-    def __init__(self, level: Level, latency: LatencyModel | None = None) -> None:
+    def __init__(self, level: Level) -> None:
         self.level = level
-        self.latency = latency  # predicts the level's cost ratio; learns its timings (None: no cost-aware stop)
 
     def begin(self, ctx: DraftContext) -> None:
         self.level.begin(ctx.model, ctx.cache, ctx.history)
 
-    def forward(self, ctx: DraftContext, tokens: list[int], pos: torch.Tensor, start: int,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The level's logits [T, V] over `tokens` [T] (slots from `start`); the time goes to the latency model."""
-        t0 = time.perf_counter()
-        logits = self.level.forward(ctx.model, ctx.cache, torch.tensor(tokens, device=ctx.model.device), pos, start,
-                                    mask)  # [T, V]
-        ctx.draft_forwards += 1
-        if self.latency is not None:
-            if logits.is_cuda:
-                torch.cuda.synchronize(logits.device)
-            self.latency.observe(self.level.name, len(tokens), start, (time.perf_counter() - t0) * 1e3,
-                                 tree=mask is not None)
-        return logits
-
-    def cost_ratio(self, tokens: int, context: int, tree: bool) -> float:
+    def cost_ratio(self, ctx: DraftContext, tokens: int, context: int, tree: bool) -> float:
         """The level's predicted forward time over `tokens` tokens in target steps; 0 when nothing predicts it."""
-        lat = self.latency
-        if lat is None or not lat.known(self.level.name) or not lat.known(TARGET):
+        lat = ctx.latency
+        if lat is None or not lat.known(self.level.name) or not lat.known(TARGET_LEVEL):
             return 0.0
         return lat.cost_ratio(self.level.name, tokens, context, tree)[0]
 
@@ -138,9 +144,8 @@ class ChainPolicy(LevelPolicy):
     """`sd`: one level drafts a chain token by token (one 1-token forward each) until its confidence drops."""
     name = "sd"
 
-    def __init__(self, level: Level, cfg: ChainConfig = ChainConfig(),
-                 latency: LatencyModel | None = None) -> None:
-        super().__init__(level, latency)
+    def __init__(self, level: Level, cfg: ChainConfig = ChainConfig()) -> None:
+        super().__init__(level)
         self.cfg = cfg
 
     def draft(self, ctx: DraftContext) -> DraftTree:
@@ -150,9 +155,9 @@ class ChainPolicy(LevelPolicy):
         for d in range(min(self.cfg.max_tokens, ctx.room - 1)):
             if d > 0 and conf < self.cfg.min_confidence:
                 break
-            if d > 0 and self.cfg.cost_aware and conf < self.cost_ratio(1, L + d, False):
+            if d > 0 and self.cfg.cost_aware and conf < self.cost_ratio(ctx, 1, L + d, False):
                 break  # another forward would cost more than it can gain
-            logits = self.forward(ctx, [tree.tokens[-1]], torch.tensor([L + d], device=dev), L + d)  # [1, V]
+            logits, _ = ctx.run_level(self.level, [tree.tokens[-1]], torch.tensor([L + d], device=dev), L + d)
             if ctx.sampling.greedy:
                 probs = torch.softmax(logits[0], -1)  # [V]
                 tok = int(probs.argmax())
@@ -168,7 +173,7 @@ class ChainPolicy(LevelPolicy):
         return tree
 
 
-@dataclass
+@dataclass(frozen=True)
 class TreeConfig:
     max_depth: int = 6  # draft forwards per step (one per depth)
     top_k: int = 4  # children considered per expanded node
@@ -185,8 +190,8 @@ class TreePolicy(LevelPolicy):
     """
     name = "tree"
 
-    def __init__(self, level: Level, cfg: TreeConfig = TreeConfig(), latency: LatencyModel | None = None) -> None:
-        super().__init__(level, latency)
+    def __init__(self, level: Level, cfg: TreeConfig = TreeConfig()) -> None:
+        super().__init__(level)
         self.cfg = cfg
 
     def draft(self, ctx: DraftContext) -> DraftTree:
@@ -198,10 +203,11 @@ class TreePolicy(LevelPolicy):
         budget = min(cfg.max_nodes, ctx.room)
         for depth in range(cfg.max_depth):
             a, b = frontier[0], frontier[-1] + 1
-            if depth > 0 and cfg.cost_aware and sum(score[a:b]) < self.cost_ratio(b - a, L + a, True):
+            if depth > 0 and cfg.cost_aware and sum(score[a:b]) < self.cost_ratio(ctx, b - a, L + a, True):
                 break  # the next depth would cost more than it can gain
             mask = ancestor_mask(tree.parents, dev)[a:b, :b]  # [F, b]
-            logits = self.forward(ctx, tree.tokens[a:b], position_ids(tree.parents, L, dev)[a:b], L + a, mask)
+            logits, _ = ctx.run_level(self.level, tree.tokens[a:b], position_ids(tree.parents, L, dev)[a:b], L + a,
+                                      mask)  # [F, V]
             top_p, top_i = torch.softmax(logits, -1).topk(cfg.top_k, dim=-1)  # [F, k]
             cand = [(score[f] * float(top_p[j, c]), f, int(top_i[j, c]))
                     for j, f in enumerate(frontier) for c in range(cfg.top_k)]

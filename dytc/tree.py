@@ -7,6 +7,7 @@ position prefix_length + depth(i).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -22,6 +23,11 @@ class DraftTree:
     @staticmethod
     def root(token: int) -> "DraftTree":
         return DraftTree([token], [-1])
+
+    @staticmethod
+    def chain(root: int, tokens: Sequence[int]) -> "DraftTree":
+        """root -> tokens[0] -> tokens[1] -> ... (deterministic drafts)."""
+        return DraftTree([root, *tokens], list(range(-1, len(tokens))))
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -16,6 +16,8 @@ from torch import Tensor
 
 from .tree import DraftTree
 
+POSITION_STRIDE = 1_000_003  # a prime above any context length: (seed, position) pairs map to distinct noise seeds
+
 
 def verify_greedy(tree: DraftTree, logits: Tensor) -> tuple[list[int], int]:
     """logits [N, V] of the target at every node -> (accepted path of nodes from the root, bonus token)."""
@@ -62,7 +64,7 @@ def verify_sampling(tree: DraftTree, probs: Tensor, generator: torch.Generator |
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> Tensor:
     """[V] standard Gumbel noise owned by one sequence position (a pure function of seed and position)."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2**63 - 1))
+    gen = torch.Generator().manual_seed((seed * POSITION_STRIDE + position) % (2**63 - 1))
     u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
     return -torch.log(-torch.log(u))
 

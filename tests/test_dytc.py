@@ -11,16 +11,15 @@ from hypothesis import strategies as st
 
 from casspec.engine import Request
 from dsia.errors import CasspecError
-from dytc.acceptance import PLD, AcceptanceConfig, AcceptanceTracker
+from dytc.acceptance import AcceptanceConfig, AcceptanceTracker
 from dytc.cascade import CascadeConfig
-from dytc.latency import TARGET, FeatureSpec, LatencyModel, Point
+from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, Point
 from dytc.ngram import PromptLookup
 from dytc.policies import ChainConfig, ChainPolicy, DraftContext, TreeConfig, TreePolicy
-from dytc.router import DyTC, RouterConfig, _Node
+from dytc.router import DyTC, RouterConfig
+from dytc.sources import PLD
 from dytc.sampling import SamplingParams, warp
-from dytc.tree import DraftTree
-from test_verify import joint_chi2_p
-from tiny import ARCHS, tiny_engine
+from tiny import ARCHS, joint_chi2_p, tiny_engine
 
 LEVEL_SETS = [("int4",), ("int8", "int4"), ("skip0.3",), ("exit2", "int8"), ("int8+sparse0.5", "vocab"),
               ("int4", "skip0.3")]
@@ -96,7 +95,7 @@ def test_bad_levels_get_clear_errors():
         Request(method="hc", levels=("int4",))
     with pytest.raises(CasspecError, match="without \\*K"):
         Request(method="dytc", levels=("int4*3",))
-    with pytest.raises(CasspecError, match="prompt lookup at the bottom"):
+    with pytest.raises(CasspecError, match="--bottom"):
         Request(method="vc", levels=("int4", "pld"))
     with pytest.raises(CasspecError, match="one level"):
         Request(method="sd", levels=("int4",))
@@ -153,18 +152,18 @@ def test_propose_after_matches_a_brute_force_lookup(hist, extra):
 # ---------------------------------------------------------------------------------------------- the router
 def _latency(target_ms: float, level_ms: float, per_token: float = 1.0) -> LatencyModel:
     """A predictor fitted on exact synthetic timings: ms = base + per_token * (T - 1)."""
-    pts = [Point(name, t, c, tree, base + per_token * (t - 1)) for name, base in ((TARGET, target_ms),
+    pts = [Point(name, t, c, tree, base + per_token * (t - 1)) for name, base in ((TARGET_LEVEL, target_ms),
                                                                                    ("int4", level_ms))
            for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) for c in (64, 128) for tree in (False, True)]
     return LatencyModel.fit(FeatureSpec(), pts)
 
 
-def _router(e, latency: LatencyModel, cfg: RouterConfig = RouterConfig(levels=("int4",), use_pld=False)):
-    router = DyTC([e.levels.get("int4")], latency, AcceptanceTracker(), cfg)
+def _router(e, latency: LatencyModel, cfg: RouterConfig = RouterConfig(levels=("int4",), lookups=())):
+    router = DyTC([e.levels.get("int4")], AcceptanceTracker(), cfg)
     prompt = [5, 6, 7, 8, 9, 10]
     e.cache.rollback(0)
     e.extend_prefix(prompt)
-    ctx = DraftContext(e.model, e.cache, prompt + [11], SamplingParams(), None, e.eos_ids, budget=50)
+    ctx = DraftContext(e.model, e.cache, prompt + [11], SamplingParams(), None, e.eos_ids, budget=50, latency=latency)
     router.begin(ctx)
     return router, ctx
 
@@ -195,11 +194,12 @@ def test_sd_and_tree_stop_when_another_forward_cannot_pay(method):
     for name, ratio in (("slow", 1.2), ("cheap", 1e-4)):
         lat = _FixedCost(ratio)
         level = e.levels.get("int4")  # a random tiny model is unsure: no confidence / probability floor here
-        policy = (ChainPolicy(level, ChainConfig(min_confidence=0.0), latency=lat) if method == "sd" else
-                  TreePolicy(level, TreeConfig(min_probability=0.0), latency=lat))
+        policy = (ChainPolicy(level, ChainConfig(min_confidence=0.0)) if method == "sd" else
+                  TreePolicy(level, TreeConfig(min_probability=0.0)))
         e.cache.rollback(0)
         e.extend_prefix(prompt)
-        ctx = DraftContext(e.model, e.cache, prompt + [5], SamplingParams(), None, e.eos_ids, budget=50)
+        ctx = DraftContext(e.model, e.cache, prompt + [5], SamplingParams(), None, e.eos_ids, budget=50,
+                           latency=lat)
         policy.begin(ctx)
         tree = policy.draft(ctx)
         depths[name] = max(len(tree.path_to(n)) - 1 for n in range(len(tree)))
@@ -213,13 +213,10 @@ def test_objective_picks_the_best_throughput_segment():
     e = tiny_engine("llama", 0)
     lat = _latency(50.0, 10.0)
     router, ctx = _router(e, lat)
-    router._costs(ctx.cache.length, 32)
-    router.tree = DraftTree.root(11)
-    router.nodes = [_Node("root", 1.0, 1.0, 0)]
-    router.spent = 0.0
-    act = router._best_action(ctx, 32)
+    step = router.new_step(ctx, 32)
+    act = router.best_action(ctx, step, 32)
     a = router.tracker.mean("int4")
-    V, c = router.verify_ms, router.level_ms["int4"]
+    V, c = step.verify_ms, step.level_ms["int4"]
     rates = []
     for k in range(1, RouterConfig.lookahead + 1):
         gain = sum(a ** i for i in range(1, k + 1))
@@ -231,23 +228,18 @@ def test_objective_picks_the_best_throughput_segment():
 
 def test_leaf_selection_takes_the_most_probable_node():
     e = tiny_engine("llama", 0)
-    router, ctx = _router(e, _latency(50.0, 10.0), RouterConfig(levels=("int4",), use_pld=False, expand_candidates=1))
-    router._costs(ctx.cache.length, 32)
-    router.tree = DraftTree.root(11)
-    router.nodes = [_Node("root", 1.0, 1.0, 0)]
+    router, ctx = _router(e, _latency(50.0, 10.0), RouterConfig(levels=("int4",), lookups=(), expand_candidates=1))
+    step = router.new_step(ctx, 32)
     for tok, p in ((12, 0.3), (13, 0.6)):
-        router.tree.add(0, tok)
-        router.nodes.append(_Node("int4", 0.5, p, 1))
-    router.tree.add(1, 14)
-    router.nodes.append(_Node("int4", 0.5, 0.1, 2))
-    router.spent = 0.0
-    act = router._best_action(ctx, 32)
+        step.add(0, tok, "int4", 0.5, p)
+    step.add(1, 14, "int4", 0.5, 0.1)
+    act = router.best_action(ctx, step, 32)
     assert act.node == 2  # leaves: 2 (p 0.6) and 3 (p 0.1); the root is no leaf and has no known distribution
 
 
 def test_fallback_to_ar_when_drafting_cannot_pay():
     e = tiny_engine("llama", 0)
-    cfg = RouterConfig(levels=("int4",), use_pld=False, explore_every=2)
+    cfg = RouterConfig(levels=("int4",), lookups=(), explore_every=2)
     router, ctx = _router(e, _latency(50.0, 80.0, per_token=20.0), cfg)  # a draft forward costs more than a step
     sizes = [len(router.draft(ctx)) for _ in range(3)]
     assert sizes[:2] == [1, 1] and sizes[2] > 1  # two fallbacks, then one exploring tree
@@ -259,7 +251,7 @@ def test_fallback_to_ar_when_drafting_cannot_pay():
 
 def test_no_fallback_option_always_drafts():
     e = tiny_engine("llama", 0)
-    cfg = RouterConfig(levels=("int4",), use_pld=False, fallback=False)
+    cfg = RouterConfig(levels=("int4",), lookups=(), fallback=False)
     router, ctx = _router(e, _latency(50.0, 80.0, per_token=20.0), cfg)
     assert all(len(router.draft(ctx)) > 1 for _ in range(3))
 

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from dsia.errors import CasspecError
-from dytc.latency import (TARGET, FeatureSpec, LatencyModel, Point, heldout_mape, load_predictor, select_profile,
+from dytc.latency import (TARGET_LEVEL, FeatureSpec, LatencyModel, Point, heldout_mape, select_profile,
                           split_heldout)
 
 SPEC = FeatureSpec()
 
 
-def synthetic(level: str = TARGET, scale: float = 1.0) -> list[Point]:
+def synthetic(level: str = TARGET_LEVEL, scale: float = 1.0) -> list[Point]:
     """A roofline-like grid with a bump at 2-4 tokens (non-monotone, as on a float32 CPU)."""
     pts = []
     for C in (128, 256, 512, 1024):
@@ -26,23 +26,23 @@ def test_fit_and_json_round_trip_predict_the_same():
     pts = synthetic() + synthetic("int4", 0.5)
     model = LatencyModel.fit(SPEC, pts)
     back = LatencyModel.from_json(json.loads(json.dumps(model.to_json())))
-    for level in (TARGET, "int4"):
+    for level in (TARGET_LEVEL, "int4"):
         for T, C in ((1, 128), (3, 700), (64, 1024), (10, 300)):
             assert back.predict_ms(level, T, C) == model.predict_ms(level, T, C)
     assert back.cost_ratio("int4", 1, 512) == model.cost_ratio("int4", 1, 512)
     # the fit captures the non-monotone bump, and the ratio of int4 to the target step is about 0.5
-    assert model.predict_ms(TARGET, 3, 512)[0] > model.predict_ms(TARGET, 8, 512)[0]
+    assert model.predict_ms(TARGET_LEVEL, 3, 512)[0] > model.predict_ms(TARGET_LEVEL, 8, 512)[0]
     ratio, std = model.cost_ratio("int4", 1, 512)
     assert ratio == pytest.approx(0.5, abs=0.03) and std > 0
 
 
 def test_online_observations_move_predictions_toward_injected_timings():
     model = LatencyModel.fit(SPEC, synthetic())
-    before, _ = model.predict_ms(TARGET, 8, 512)
+    before, _ = model.predict_ms(TARGET_LEVEL, 8, 512)
     for _ in range(150):
         for T in (4, 8, 16):
-            model.observe(TARGET, T, 512, 50.0)
-    after, _ = model.predict_ms(TARGET, 8, 512)
+            model.observe(TARGET_LEVEL, T, 512, 50.0)
+    after, _ = model.predict_ms(TARGET_LEVEL, 8, 512)
     assert abs(after - 50.0) < 0.2 * abs(before - 50.0)
 
 
@@ -61,10 +61,10 @@ def test_heldout_mape_is_the_mean_relative_error_on_the_held_out_points():
     train, held = split_heldout(pts, 0.25, seed=1)
     assert len(held) == 20 and not set(train) & set(held) and len(train) + len(held) == len(pts)
     model = LatencyModel.fit(SPEC, train)
-    assert heldout_mape(model, held)[TARGET] < 0.02  # the synthetic grid is in the model's span
+    assert heldout_mape(model, held)[TARGET_LEVEL] < 0.02  # the synthetic grid is in the model's span
     doubled = [Point(p.level, p.tokens, p.context, p.tree, 2 * model.predict_ms(p.level, p.tokens, p.context,
                                                                                 p.tree)[0]) for p in held]
-    assert heldout_mape(model, doubled)[TARGET] == pytest.approx(0.5)
+    assert heldout_mape(model, doubled)[TARGET_LEVEL] == pytest.approx(0.5)
 
 
 def _write(folder, name, machine, model="m", dtype="float32", version=1):
@@ -81,10 +81,9 @@ def test_only_a_profile_of_this_machine_model_and_dtype_is_used(tmp_path):
     _write(tmp_path, "other_dtype.json", here, dtype="bfloat16")
     (tmp_path / "broken.json").write_text("{not json")
     assert select_profile(here, "m", "float32", tmp_path) is None
-    assert load_predictor(here, "m", "float32", tmp_path) is None
     _write(tmp_path, "mine.json", here)
     assert select_profile(here, "m", "float32", tmp_path).name == "mine.json"
-    assert load_predictor(here, "m", "float32", tmp_path).known(TARGET)
+    assert LatencyModel.from_json(json.loads((tmp_path / "mine.json").read_text())["predictor"]).known(TARGET_LEVEL)
     assert select_profile(here, "m", "float32", tmp_path / "missing") is None
 
 
@@ -98,7 +97,7 @@ def test_profiler_quick_path_end_to_end(tiny_engine_factory, tmp_path):
     assert [p.name for p in paths] == ["tiny.json", "tiny.png"] and paths[1].stat().st_size > 1000
     back = json.loads(paths[0].read_text())
     assert back["model"] == "tiny-llama" and back["dtype"] == "float32" and back["machine"]["cpu"]
-    assert set(back["heldout_mape"]) == {TARGET, "int8", "exit1"}
+    assert set(back["heldout_mape"]) == {TARGET_LEVEL, "int8", "exit1"}
     assert len(back["grid"]) == 2 * 3 * 2 * 4 and any(p["heldout"] for p in back["grid"])
     model = LatencyModel.from_json(back["predictor"])
     assert model.predict_ms("int8", 3, 40)[0] > 0

@@ -1,16 +1,23 @@
 """Draft levels: names round-trip, each strategy changes exactly what it should, the target and the committed
 KV prefix are never touched by a draft pass, and the skip search beats a contiguous skip."""
+import itertools
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsia.errors import CasspecError
-from dsia.levels import LevelConfig, LevelRegistry
+from dsia.exit import ExitSwitch
+from dsia.levels import STRATEGIES, LevelConfig, LevelRegistry
 from dsia.model import Transformer
 from dsia.plan import Plan
-from dsia.skip import SkipSearch, SkipSearchConfig, contiguous_skips, score_window, skip_plan, skippable
-from dsia.vocab import VocabConfig, VocabHead
+from dsia.skip import (SkipSearch, SkipSearchConfig, SkipSwitch, contiguous_skips, score_window, skip_plan,
+                       skippable)
+from dsia.strategy import Resources, Strategy, Switch
+from dsia.vocab import VocabConfig, VocabHead, VocabSwitch
 from tiny import tiny_model
 
 NAMES = ["int8", "int4", "nf4", "skip0.4", "exit24", "sparse0.5", "vocab", "int4+sparse0.5", "int4+vocab",
@@ -21,7 +28,6 @@ NAMES = ["int8", "int4", "nf4", "skip0.4", "exit24", "sparse0.5", "vocab", "int4
 def test_names_round_trip(name):
     cfg = LevelConfig.parse(name)
     assert cfg.name == name
-    assert LevelConfig.from_json(cfg.to_json()) == cfg
     assert LevelConfig.parse("+".join(reversed(name.split("+")))).name == name  # any order, one canonical name
 
 
@@ -30,6 +36,72 @@ def test_names_round_trip(name):
 def test_bad_names_get_a_clear_error(bad):
     with pytest.raises(CasspecError, match="unknown level"):
         LevelConfig.parse(bad)
+
+
+# ---------------------------------------------------------------------- the registry
+EXAMPLES = {"int8": "int8", "int4": "int4", "nf4": "nf4", "skipR (0 < R < 1)": "skip0.3",
+            "exitL (1 <= L < layers)": "exit2", "sparseS (0 < S < 1)": "sparse0.5", "vocab": "vocab"}  # form -> name
+
+
+def test_every_registered_form_parses_and_round_trips():
+    assert [form for cls in STRATEGIES for form in cls.FORMS] == list(EXAMPLES)  # one example per form, in order
+    for cls in STRATEGIES:
+        for form in cls.FORMS:
+            (strategy,) = LevelConfig.parse(EXAMPLES[form]).strategies
+            assert type(strategy) is cls and strategy.name == EXAMPLES[form] and cls.parse(strategy.name) == strategy
+
+
+def test_a_mix_in_any_order_gets_the_canonical_name():
+    parts = ["int4", "skip0.2", "exit3", "sparse0.5", "vocab"]  # one per strategy, in canonical order
+    for perm in itertools.permutations(parts):
+        assert LevelConfig.parse(" + ".join(perm)).name == "+".join(parts)
+
+
+def test_an_unknown_part_lists_the_registered_forms():
+    with pytest.raises(CasspecError) as e:
+        LevelConfig.parse("int4+fast")
+    assert str(e.value) == ("unknown level 'int4+fast' ('fast' is not a level form): use int8, int4, nf4, skipR "
+                            "(0 < R < 1), exitL (1 <= L < layers), sparseS (0 < S < 1), vocab, or mixes joined by "
+                            "'+', e.g. int4+sparse0.5")
+    with pytest.raises(CasspecError, match=r"skip is given twice"):
+        LevelConfig.parse("skip0.2+int8+skip0.3")
+
+
+@dataclass(frozen=True)
+class Halve(Strategy):
+    """A test-only strategy, `half`: exit after half of the layers."""
+
+    FORMS: ClassVar[tuple[str, ...]] = ("half",)
+    KEY: ClassVar[str] = "half"
+
+    @classmethod
+    def parse(cls, part: str) -> "Halve | None":
+        return cls() if part == "half" else None
+
+    @property
+    def name(self) -> str:
+        return "half"
+
+    def bind(self, resources: Resources) -> Switch:
+        return ExitSwitch(resources.model.spec.n_layers // 2)
+
+
+@torch.no_grad()
+def test_a_new_strategy_is_one_class_and_one_registry_line(rt):
+    strategies = STRATEGIES + (Halve,)  # a copy: the default registry is untouched
+    assert LevelConfig.parse("half+int8", strategies).name == "int8+half"
+    with pytest.raises(CasspecError, match="'half' is not a level form"):
+        LevelConfig.parse("half")
+    with pytest.raises(CasspecError, match="vocab, half, or mixes"):
+        LevelConfig.parse("fast", strategies)
+    level = LevelRegistry(rt, strategies).get("half+vocab")
+    assert level.name == "vocab+half" and level.plan.exit_after == 3 and not level.writes_all_layers
+    cache, ids = prefilled(rt)
+    level.begin(rt, cache, ids)
+    L = cache.length
+    tok, pos = torch.tensor(ids[-1:]), torch.tensor([L])
+    ref = rt.forward(cache, tok, pos, L, plan=Plan(exit_after=3, head=level.switch(VocabSwitch).head))
+    assert torch.equal(level.forward(rt, cache, tok, pos, L), ref)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +169,41 @@ def test_each_strategy_switches_exactly_its_part(rt):
     vocab.begin(rt, cache, ids)
     L = cache.length
     logits = vocab.forward(rt, cache, torch.tensor(ids[-1:]), torch.tensor([L]), L)
-    allowed = vocab.vocab.member
+    allowed = vocab.switch(VocabSwitch).head.member
     assert torch.isinf(logits[0, ~allowed]).all() and torch.isfinite(logits[0, allowed]).all()
+
+
+@torch.no_grad()
+def test_the_skip_search_scores_over_the_other_switches(rt):
+    level = LevelRegistry(rt).get("int8+skip0.2+vocab")
+    search = level.switch(SkipSwitch).search
+    seen = []
+    search.step = lambda model, cache, history, base=None: seen.append(base)  # record what it is scored over
+    cache, ids = prefilled(rt)
+    level.begin(rt, cache, ids)
+    level.observe(rt, cache, ids, ids[-2:])
+    (base,) = seen
+    assert base.linears is level.plan.linears and base.head is level.switch(VocabSwitch).head
+    assert not base.skip_attn and not base.skip_mlp and level.plan.skip_attn | level.plan.skip_mlp
+
+
+@torch.no_grad()
+def test_kv_writes_and_memory_follow_the_switches(rt):
+    reg = LevelRegistry(rt)
+    cache, ids = prefilled(rt)
+    for name in ["int8", "skip0.3", "skip0.1", "exit3", "sparse0.5", "vocab", "int8+skip0.2+sparse0.5"]:
+        level = reg.get(name)
+        level.begin(rt, cache, ids)
+        for _ in range(3):
+            level.observe(rt, cache, ids, [])
+        assert level.writes_all_layers == (not level.plan.skip_attn and level.plan.exit_after is None), name
+    int8, mix = reg.get("int8"), reg.get("int8+vocab")
+    assert int8.holds[0] is mix.holds[0]  # the quantized copy is shared: count it once
+    assert mix.extra_bytes == int8.extra_bytes + reg.get("vocab").extra_bytes
+    assert reg.get("sparse0.5").holds == reg.get("int8+skip0.2+sparse0.5").holds[1:]
+    assert not reg.get("exit3").holds and reg.get("exit3").extra_bytes == 0
+    with pytest.raises(CasspecError, match=r"^level exit6: exit layer must be in \[1, 5\] for this model$"):
+        reg.get("exit6")
 
 
 def test_vocab_head_scores_subset_exactly():

@@ -6,8 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dytc.ngram import (MaxGram, PromptLookup, chain_tree, draft_chain, make_drafter, match_confidence)
-from dytc.tree import is_chain
+from dytc.ngram import LOOKUPS, MaxGram, PromptLookup, match_confidence, new_lookup
 
 SETTINGS = settings(max_examples=150, deadline=None)
 histories = st.lists(st.integers(0, 4), max_size=50)  # a small alphabet: many repeats
@@ -54,16 +53,18 @@ def ref_bigram(hist: list[int], a: int) -> tuple[int, float] | None:
     return b, counts[b] / sum(counts.values())
 
 
-def ref_maxgram(hist: list[int], k: int, min_match: int = 2,
-                eos: frozenset[int] = frozenset()) -> tuple[list[int], list[float]]:
-    """Max-Gram on the extended text, token by token, by brute force."""
+def ref_maxgram(hist: list[int], k: int, min_match: int = 2, eos: frozenset[int] = frozenset(),
+                extra: list[int] = (), matches: list[int] | None = None) -> tuple[list[int], list[float]]:
+    """Max-Gram on the extended text (hist + extra + the tokens drafted so far), token by token, by brute force;
+    `matches` gets the match length behind each token (a bigram token: 1)."""
     L = len(hist)
     out: list[int] = []
     conf: list[float] = []
+    matches = [] if matches is None else matches
     if L == 0:
         return out, conf
     while len(out) < k:
-        ext = hist + out
+        ext = hist + list(extra) + out
         n_best, e_best = 0, -1
         for n in range(1, len(ext) + 1):  # longest suffix of ext occurring in hist with a token after it
             ends = [e for e in range(n - 1, L - 1) if hist[e - n + 1:e + 1] == ext[-n:]]
@@ -81,6 +82,7 @@ def ref_maxgram(hist: list[int], k: int, min_match: int = 2,
             break
         out.append(t)
         conf.append(c)
+        matches.append(n_best if n_best >= min_match else 1)
     return out, conf
 
 
@@ -189,12 +191,12 @@ def test_maxgram_empty_and_short():
 @SETTINGS
 @given(histories, st.lists(st.integers(1, 6), max_size=12), st.sampled_from(["pld", "maxgram"]))
 def test_incremental_extend_equals_from_scratch(hist, cuts, name):
-    d = make_drafter(name)
+    d = new_lookup(name, [], ())
     i = 0
     for c in cuts + [len(hist)]:
         d.extend(hist[i:i + c])
         i = min(i + c, len(hist))
-        fresh = make_drafter(name, hist[:i])
+        fresh = new_lookup(name, hist[:i], ())
         assert d.tokens == fresh.tokens
         assert d.propose(10) == fresh.propose(10)
         if name == "maxgram":
@@ -202,32 +204,18 @@ def test_incremental_extend_equals_from_scratch(hist, cuts, name):
 
 
 @SETTINGS
-@given(nonempty, st.integers(0, 8), st.integers(1, 5))
-def test_pld_tree(hist, k, width):
-    d = PromptLookup(hist)
-    tree, conf = d.propose_tree(k, width)
-    assert tree.tokens[0] == hist[-1] and len(conf) == len(tree)
-    children = tree.children()
-    leaves = [i for i in range(len(tree)) if not children[i] and i > 0]
-    assert len(leaves) <= width and len(tree) <= 1 + k * width
-    for ch in children:  # a trie: siblings carry distinct tokens
-        assert len({tree.tokens[c] for c in ch}) == len(ch)
-    chain, _ = d.propose(k)
-    node = 0
-    for t in chain:  # branch 0 is HF's chain
-        node = next(c for c in children[node] if tree.tokens[c] == t)
-    L = len(hist)
-    for leaf in leaves:  # every branch continues some earlier occurrence of a suffix n-gram
-        path = [tree.tokens[i] for i in tree.path_to(leaf)[1:]]
-        assert any(hist[s:s + n] == hist[L - n:] and hist[s + n:s + n + len(path)] == path
-                   for n in range(1, min(3, L - 1) + 1) for s in range(L - n))
+@given(nonempty, st.lists(st.integers(0, 4), max_size=6), ks, st.integers(1, 3))
+def test_maxgram_propose_after_equals_reference(hist, extra, k, min_match):
+    """Max-Gram after drafted tokens not in the history (a tree path) = Max-Gram on history + path."""
+    out, match = MaxGram(hist, min_match=min_match, eos_ids={0}).propose_after(extra, k)
+    matches: list[int] = []
+    ref_out, _ = ref_maxgram(hist, k, min_match, frozenset({0}), extra, matches)
+    assert out == ref_out
+    assert match == (matches[0] if matches else 0)
 
 
-def test_chain_tree():
-    tree = chain_tree(5, [1, 2, 3])
-    assert tree.tokens == [5, 1, 2, 3] and is_chain(tree.parents) and not tree.q
-    d = MaxGram([9, 1, 2, 3, 1, 2])
-    tree, conf = draft_chain(d, 3)
-    assert tree.tokens == [2, 3, 1, 2] and conf[0] == 1.0 and len(conf) == 4
-    with pytest.raises(ValueError):
-        make_drafter("nope")
+@SETTINGS
+@given(histories, st.sampled_from(sorted(LOOKUPS)))
+def test_every_lookup_proposes_after_nothing_as_it_proposes(hist, name):
+    d = new_lookup(name, hist, ())
+    assert d.propose_after([], 6)[0] == d.propose(6)[0]

@@ -11,11 +11,10 @@ import torch
 from dsia import quant
 from dsia.errors import CasspecError
 from dsia.model import Transformer
-from dsia.quant import HEAD, KINDS, QuantConfig, quantize_linears, quantize_weight
+from dsia.quant import HEAD, HEAD_KINDS, KINDS, QuantConfig, quantize_linears, quantize_weight
 from tiny import tiny_model
 
-TORCH_KINDS = ("int8", "int8g", "int4")
-BNB_KINDS = ("nf4", "int8-bnb")
+BNB_KINDS = ("nf4",)
 
 
 def has_bnb() -> bool:
@@ -27,7 +26,13 @@ def kind_param(kind: str):
     return pytest.param(kind, marks=marks, id=kind)
 
 
-ALL_KINDS = [kind_param(k) for k in KINDS]
+ALL_KINDS = [kind_param(k) for k in KINDS]  # body kinds
+KERNEL_KINDS = [kind_param(k) for k in HEAD_KINDS]  # and int8g, the head kernel of the quantized levels
+
+
+def config(kind: str, **kw) -> QuantConfig:
+    """A QuantConfig for a kernel of this kind (int8g is a head kind only: it rides as the head of int8)."""
+    return QuantConfig(kind, **kw) if kind in KINDS else QuantConfig("int8", head_kind=kind, **kw)
 
 
 # ---------------------------------------------------------------------- independent reference dequantizers
@@ -51,16 +56,14 @@ def ref_dequant(w: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
         q = ((g - zero) / scale + 8).round().clamp(0, 15)
         return ((q - 8) * scale + zero).reshape(out, n_in)
     import bitsandbytes.functional as bnbF
-    if kind == "nf4":
-        packed, state = bnbF.quantize_4bit(w.contiguous(), blocksize=G, quant_type="nf4")
-        state.absmax = state.absmax.bfloat16().float()  # the fused CPU kernel keeps absmax in bf16
-        return bnbF.dequantize_4bit(packed, state).float()
-    q, absmax, _ = bnbF.int8_vectorwise_quant(w.contiguous())
-    return q.float() * absmax[:, None] / 127
+    assert kind == "nf4", kind
+    packed, state = bnbF.quantize_4bit(w.contiguous(), blocksize=G, quant_type="nf4")
+    state.absmax = state.absmax.bfloat16().float()  # the fused CPU kernel keeps absmax in bf16
+    return bnbF.dequantize_4bit(packed, state).float()
 
 
 def act_of(kind: str, cfg: QuantConfig) -> torch.dtype:
-    return {"nf4": torch.bfloat16, "int8-bnb": torch.float32}.get(kind, cfg.act_dtype)
+    return torch.bfloat16 if kind == "nf4" else cfg.act_dtype
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,33 +78,29 @@ def model() -> Transformer:
 
 # ---------------------------------------------------------------------- kernels
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("kind", KERNEL_KINDS)
 def test_kernel_equals_dense_matmul_with_dequantized_weight(kind, act_dtype):
     torch.manual_seed(0)
     w = torch.randn(96, 128) * 0.1  # [out, in]
     x = torch.randn(5, 128)  # [T, in]
-    cfg = QuantConfig(kind, act_dtype=act_dtype)
+    cfg = config(kind, act_dtype=act_dtype)
     k = quantize_weight(w, kind, cfg)
     assert k.kind == kind
     y = k(x)  # [T, out]
     assert y.shape == (5, 96) and y.dtype == x.dtype
     deq = ref_dequant(w, kind, cfg)
     act = act_of(kind, cfg)
-    if kind == "int8-bnb":  # activations quantized per token to int8 as well
-        assert rel(y, x @ deq.T) < 0.01
-        return
     ref = x.to(act).float() @ deq.T  # what the kernel multiplies, in float32
     tol = 1e-5 if act == torch.float32 else 2 ** -8  # bf16 activations give a bf16 output
     torch.testing.assert_close(y, ref, rtol=0, atol=tol * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("kind,bound", [("int8", 0.02), ("int8g", 0.02), ("int4", 0.15),
-                                        pytest.param("nf4", 0.15, marks=kind_param("nf4").marks),
-                                        pytest.param("int8-bnb", 0.03, marks=kind_param("int8-bnb").marks)])
+                                        pytest.param("nf4", 0.15, marks=kind_param("nf4").marks)])
 def test_kernel_close_to_original_weight(kind, bound):
     torch.manual_seed(1)
     w, x = torch.randn(64, 256) * 0.05, torch.randn(3, 256)
-    y = quantize_weight(w, kind, QuantConfig(kind))(x)
+    y = quantize_weight(w, kind, config(kind))(x)
     assert rel(y, x @ w.T) < bound
 
 
@@ -113,7 +112,7 @@ def test_int8g_is_exact_on_a_q8_0_grid():
     d = torch.rand(32, 2).repeat_interleave(32, dim=1).bfloat16().float()  # [out, in], one scale per block
     w = q * d
     x = torch.randn(4, 64)
-    k = quantize_weight(w, "int8g", QuantConfig("int8g", act_dtype=torch.float32))
+    k = quantize_weight(w, "int8g", config("int8g", act_dtype=torch.float32))
     torch.testing.assert_close(k(x), x @ w.T, rtol=1e-5, atol=1e-4)
 
 
@@ -143,13 +142,14 @@ def dequantized_model(m: Transformer, cfg: QuantConfig) -> Transformer:
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
-@pytest.mark.parametrize("kind", TORCH_KINDS)
+@pytest.mark.parametrize("kind,head_kind", [("int8", None), ("int4", None), ("int4", "int8g")],
+                         ids=["int8", "int4", "int4-int8g-head"])  # int4 + int8g head: the int4 level
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases added after the kernel
-def test_plan_forward_equals_dense_forward_with_dequantized_weights(arch, kind, fuse):
+def test_plan_forward_equals_dense_forward_with_dequantized_weights(arch, kind, head_kind, fuse):
     m = Transformer.from_hf(tiny_model(arch, seed=4, vocab=112, dim=64, layers=2))
-    cfg = QuantConfig(kind, act_dtype=torch.float32, head_kind=None, fuse=fuse)
+    cfg = QuantConfig(kind, act_dtype=torch.float32, head_kind=head_kind, fuse=fuse)
     q = quantize_linears(m, cfg)
-    assert set(q.kinds.values()) == {kind}
+    assert set(q.kinds.values()) == {kind, head_kind or kind}
     toks = torch.randint(0, 112, (9,), generator=torch.Generator().manual_seed(0))
     out = m.forward(m.new_cache(32), toks, torch.arange(9), 0, plan=q.plan())
     ref = dequantized_model(m, cfg).forward(m.new_cache(32), toks, torch.arange(9), 0)
@@ -170,7 +170,7 @@ def test_plan_forward_close_to_target(model, kind):
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
     out = torch.cat([out, model.forward(cache, toks[8:], torch.arange(8, 12), 8, mask, plan=plan)])
     assert out.shape == ref.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
-    assert rel(out, ref) < (0.1 if kind in ("int8", "int8g", "int8-bnb") else 0.6)  # random weights: 4 bits is coarse
+    assert rel(out, ref) < (0.1 if kind == "int8" else 0.6)  # random weights: 4 bits is coarse
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -264,7 +264,8 @@ def test_bf16_model_keeps_its_dtype():
 
 
 def test_bad_configs_are_one_line_errors():
-    for kw in (dict(kind="int3"), dict(kind="int8", head_kind="fp8"), dict(kind="int4", group_size=48),
+    for kw in (dict(kind="int3"), dict(kind="int8g"), dict(kind="int8-bnb"), dict(kind="int8", head_kind="fp8"),
+               dict(kind="int4", group_size=48), dict(kind="int8", head_kind="int8g", group_size=48),
                dict(kind="nf4", group_size=48, head_kind=None),
                dict(kind="int8", act_dtype=torch.float16)):
         with pytest.raises(CasspecError) as e:

@@ -6,17 +6,17 @@ import torch.nn.functional as F
 from dsia.errors import CasspecError
 from dsia.model import Transformer
 from dsia.plan import TARGET, Plan
-from dsia.sparsity import (MlpRecorder, SparseMlpWeights, SparsityConfig, calibrate_sparse_mlps, record_prompt)
+from dsia.sparsity import (INPUT_RATIO, MlpRecorder, Sparse, SparseMlpWeights, SparsityConfig, calibrate_sparse_mlps,
+                           record_prompt)
 from tiny import tiny_model
 
 V = 97
 CONFIGS = {
-    "cats": SparsityConfig(0.5, weighted=False),
-    "cats-weighted": SparsityConfig(0.5),
-    "cats-bf16": SparsityConfig(0.4, weight_dtype=torch.bfloat16),
     "teal": SparsityConfig(0.5, 0.3, weighted=False),
     "teal-weighted": SparsityConfig(0.6, 0.4),
     "teal-bf16": SparsityConfig(0.5, 0.3, weight_dtype=torch.bfloat16),
+    "dense-input": SparsityConfig(0.5),  # input_sparsity 0: every input dim kept, h still sparse
+    "level": Sparse(0.5).config,  # what sparse0.5 runs: 20% of the input dropped, bf16 copies, weighted
 }
 
 
@@ -59,19 +59,16 @@ def masked_dense(model: Transformer, i: int, x: torch.Tensor, cfg: SparsityConfi
     weights the kernel reads rounded to its copies' dtype."""
     lw = model.layers[i]
     r = (lambda w: w.to(cfg.weight_dtype).float()) if cfg.weight_dtype else (lambda w: w)
-    w_gate = r(lw.w_gate) if cfg.teal else lw.w_gate  # CATS runs the gate on the model's own tensor
-    if cfg.teal:
-        x = torch.where(x.abs() > tx, x, 0.0)
-    a = F.silu(F.linear(x, w_gate))
-    h = a * F.linear(x, r(lw.w_up))
-    h = torch.where((h.abs() if cfg.teal else a.abs()) > t, h, 0.0)
+    x = torch.where(x.abs() > tx, x, 0.0)
+    h = F.silu(F.linear(x, r(lw.w_gate))) * F.linear(x, r(lw.w_up))
+    h = torch.where(h.abs() > t, h, 0.0)
     return F.linear(h, r(lw.w_down))
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, cfg: SparsityConfig) -> None:
     if cfg.weight_dtype is None:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    else:  # bf16 activations inside the kernels (and, for TEAL, an entry at its threshold may flip)
+    else:  # bf16 activations inside the kernels (and an entry at its threshold may flip)
         assert (out - ref).norm() <= 0.03 * ref.norm()
 
 
@@ -80,9 +77,9 @@ def weights_of(model: Transformer) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("teal", [False, True])
-def test_sparsity_zero_equals_dense(model, prompt, teal):
-    cfg = SparsityConfig(0.0, 1e-9 if teal else 0.0)  # thresholds that keep every entry
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sparsity_zero_equals_dense(model, prompt, weighted):
+    cfg = SparsityConfig(0.0, 0.0, weighted=weighted)  # thresholds that keep every entry
     sp = calibrate_sparse_mlps(model, prompt, cfg)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     for i, mlp in sp.mlps.items():
@@ -99,11 +96,10 @@ def test_dropped_fraction_on_calibration_data(model, prompt, name):
     sp = calibrate_sparse_mlps(model, rec, cfg)
     assert rec.tokens == prompt.shape[0]
     for i, (tx, t) in sp.thresholds.items():
-        dropped = (torch.cat(rec.act[i]) <= t).float().mean().item()  # |a| (CATS) or |h| (TEAL) of the prompt
+        dropped = (torch.cat(rec.h[i]) <= t).float().mean().item()  # |h| of the prompt
         assert abs(dropped - cfg.sparsity) < 0.01, (i, dropped)
-        if cfg.teal:
-            dropped_x = (torch.cat(rec.x[i]) <= tx).float().mean().item()
-            assert abs(dropped_x - cfg.input_sparsity) < 0.01, (i, dropped_x)
+        dropped_x = (torch.cat(rec.x[i]) <= tx).float().mean().item()  # |x| of the prompt
+        assert abs(dropped_x - cfg.input_sparsity) < 0.01, (i, dropped_x)
 
 
 @torch.no_grad()
@@ -126,7 +122,7 @@ def test_sparse_mlp_equals_dense_with_the_same_entries_zeroed(model, prompt, nam
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["cats-weighted", "teal"])
+@pytest.mark.parametrize("name", ["teal", "level"])
 def test_plan_runs_in_forward_and_weights_are_untouched(model, prompt, name):
     before = [t.clone() for t in weights_of(model)]
     sp = calibrate_sparse_mlps(model, prompt, CONFIGS[name])
@@ -175,12 +171,23 @@ def test_bad_configs_are_rejected(model, prompt):
     with pytest.raises(CasspecError):
         SparseMlpWeights(model, SparsityConfig(layers=(5,)))
     w = SparseMlpWeights(model, SparsityConfig(0.5))
-    with pytest.raises(CasspecError):  # CATS copies cannot serve a TEAL config
-        calibrate_sparse_mlps(model, prompt, SparsityConfig(0.5, 0.3), weights=w)
+    for other in (SparsityConfig(0.5, 0.3, layers=(1,)), SparsityConfig(0.5, 0.3, weight_dtype=torch.bfloat16)):
+        with pytest.raises(CasspecError):  # copies of other layers or another dtype cannot serve it
+            calibrate_sparse_mlps(model, prompt, other, weights=w)
+    assert calibrate_sparse_mlps(model, prompt, SparsityConfig(0.3, 0.1), weights=w).weights is w  # any sparsity
 
 
 def test_layer_subset_and_memory(model, prompt):
     sp = calibrate_sparse_mlps(model, prompt, SparsityConfig(0.5, weighted=False, layers=(1,)))
     assert set(sp.mlps) == {1}
     lw = model.layers[1]
-    assert sp.nbytes == lw.w_down.numel() * 4 + lw.w_down.shape[1] * 4  # w_down^T copy + its column norms
+    inter, dim = lw.w_gate.shape  # I, D
+    assert sp.nbytes == 3 * inter * dim * 4 + (inter + dim) * 4  # w_down^T, [w_gate^T | w_up^T] copies + norms
+
+
+def test_the_level_strategy_maps_its_sparsity():
+    cfg = Sparse(0.5).config
+    assert cfg == SparsityConfig(0.5, 0.5 / INPUT_RATIO, weighted=True, weight_dtype=torch.bfloat16)
+    assert cfg.input_sparsity == 0.2 and Sparse(0.25).config.input_sparsity == 0.1
+    with pytest.raises(CasspecError, match="the sparsity must be in"):
+        Sparse(1.0)

@@ -6,33 +6,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import chisquare
 
 from casspec.engine import Request
 from dytc.sampling import SamplingParams, warp
 from dytc.tree import DraftTree
 from dytc.verify import verify_greedy, verify_sampling
-from tiny import ARCHS, tiny_engine
+from tiny import ARCHS, chi2_p, joint_chi2_p, tiny_engine
 
 V = 6  # tiny vocabulary for the distribution tests
 DRAWS = 20_000
-
-
-def chi2_p(observed: list[float], expected: list[float]) -> float:
-    """Chi-square p-value; expected counts rescaled (in float64) to the observed total."""
-    scale = sum(observed) / sum(expected)
-    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
-
-
-def joint_chi2_p(obs, joint) -> float:
-    """Chi-square p-value of observed counts [K] against a distribution [K]: cells expecting >= 5 draws stand
-    alone, the rare ones are pooled into one cell (left out when it expects nothing)."""
-    n = float(obs.sum())
-    big = joint * n >= 5
-    o, x = obs[big].tolist(), (joint[big] * n).tolist()
-    if joint[~big].sum() > 0:
-        o, x = o + [float(obs[~big].sum())], x + [float(joint[~big].sum() * n)]
-    return chi2_p(o, x)
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -61,3 +62,20 @@ def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = No
 
     model = tiny_model(arch, seed, **kw)
     return Engine(Loaded(model, tiny_tokenizer(model.config.vocab_size), f"tiny-{arch}"), max_context=max_context)
+
+
+def chi2_p(observed: list[float], expected: list[float]) -> float:
+    """Chi-square p-value; expected counts rescaled (in float64) to the observed total."""
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+def joint_chi2_p(obs, joint) -> float:
+    """Chi-square p-value of observed counts [K] against a distribution [K]: cells expecting >= 5 draws stand
+    alone, the rare ones are pooled into one cell (left out when it expects nothing)."""
+    n = float(obs.sum())
+    big = joint * n >= 5
+    o, x = obs[big].tolist(), (joint[big] * n).tolist()
+    if joint[~big].sum() > 0:
+        o, x = o + [float(obs[~big].sum())], x + [float(joint[~big].sum() * n)]
+    return chi2_p(o, x)

@@ -1,0 +1,103 @@
+"""Decoding methods: each name maps to the drafting policy it builds, and the sources a multi-level method uses.
+
+A method is one row of `POLICIES`: a function (request, drafters) -> a fresh Policy for one generation. The levels
+are shared (built once per engine); dytc's acceptance estimates carry over generations of the same configuration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from dsia.errors import CasspecError
+from dsia.levels import LevelConfig, LevelRegistry
+from dytc.acceptance import AcceptanceTracker
+from dytc.cascade import Cascade, CascadeConfig
+from dytc.policies import ChainPolicy, PldPolicy, Policy, TreePolicy
+from dytc.router import DyTC, RouterConfig
+from dytc.sources import BOTTOMS, LOOKUPS, PLD
+
+if TYPE_CHECKING:
+    from .request import Request
+
+SINGLE_LEVEL = ("sd", "tree")  # methods drafting with Request.level
+MULTI_LEVEL = ("vc", "tree+vc", "hc", "vc+hc", "dytc")  # methods drafting with Request.levels (empty: their defaults)
+SEGMENTED = ("hc", "vc+hc")  # multi-level methods whose sources are chain segments "SOURCE*K"
+WITH_BOTTOM = ("vc", "tree+vc", "vc+hc", "dytc")  # methods with statistical lookups beneath their levels
+GPU_LEVEL = "skip0.4"  # the default draft level on a GPU (see default_sources)
+
+
+@dataclass
+class Drafters:
+    """What the policies draw on, owned by the engine."""
+    levels: LevelRegistry  # draft levels by name, built on first use and reused
+    trackers: dict[str, AcceptanceTracker]  # dytc's acceptance estimates, per router configuration
+    device_type: str  # "cpu" | "cuda": picks the default sources
+
+    def sources(self, req: Request) -> list[tuple[str, int]]:
+        """The request's sources of a multi-level method, or the method's defaults."""
+        return parse_sources(req.method, req.levels) or default_sources(req.method, self.device_type)
+
+
+def _dytc(req: Request, d: Drafters) -> Policy:
+    names = tuple(n for n, _ in d.sources(req))
+    cfg = replace(req.router or RouterConfig(), levels=names, lookups=req.lookups)
+    tracker = d.trackers.setdefault(repr(cfg), AcceptanceTracker())  # estimates carry over generations
+    return DyTC([d.levels.get(n) for n in names], tracker, cfg)
+
+
+def _vc(req: Request, d: Drafters) -> Policy:
+    return Cascade.vc([d.levels.get(n) for n, _ in d.sources(req)], req.lookups, tree=req.method == "tree+vc")
+
+
+def _hc(req: Request, d: Drafters) -> Policy:
+    segments = d.sources(req)
+    levels = {n: d.levels.get(n) for n, _ in segments if n not in LOOKUPS}
+    return Cascade.hc(levels, segments, req.lookups if req.method == "vc+hc" else None)
+
+
+POLICIES: dict[str, Callable[[Request, Drafters], Policy]] = {
+    "ar": lambda req, d: Policy(),  # the root alone: plain autoregressive decoding
+    "pld": lambda req, d: PldPolicy(),  # prompt lookup's chain
+    "sd": lambda req, d: ChainPolicy(d.levels.get(req.level)),  # one level's chain
+    "tree": lambda req, d: TreePolicy(d.levels.get(req.level)),  # one level's tree
+    "vc": _vc, "tree+vc": _vc, "hc": _hc, "vc+hc": _hc,  # CS Drafting's cascades
+    "dytc": _dytc,  # the Dynamic Tree Cascade router
+}
+METHODS = tuple(POLICIES)
+
+
+def make_policy(req: Request, drafters: Drafters) -> Policy:
+    """The drafting policy of the request's method (a fresh one per generation)."""
+    return POLICIES[req.method](req, drafters)
+
+
+def default_sources(method: str, device_type: str) -> list[tuple[str, int]]:
+    """The levels (and hc segments) of a multi-level method when the request names none. On the CPU the int4
+    kernels are the cheapest drafts; on a GPU a small model's forward costs its kernel launches, whatever the
+    weights' precision, so fewer layers (a skip level) is what makes a draft cheaper there."""
+    cpu = device_type == "cpu"
+    if method == "dytc":
+        return [(n, 0) for n in (RouterConfig.levels if cpu else (GPU_LEVEL,))]
+    if method in ("vc", "tree+vc"):
+        return [("int4" if cpu else GPU_LEVEL, 0)]
+    return list(CascadeConfig.hc_segments) if cpu else [(GPU_LEVEL, 4), (PLD, 4)]
+
+
+def parse_sources(method: str, levels: Sequence[str]) -> list[tuple[str, int]]:
+    """Request.levels of a multi-level method -> [(source, segment tokens or 0)]; one clear error if malformed."""
+    out = []
+    for item in levels:
+        name, star, k = item.partition("*")
+        if method in SEGMENTED:
+            if not star or not k.isdigit() or int(k) < 1:
+                raise CasspecError(f"hc segment {item!r} must be SOURCE*K with K >= 1 tokens, e.g. int4*4, pld*3 "
+                                   "or maxgram*3")
+        elif star:
+            raise CasspecError(f"{method} takes level names without *K (got {item!r}); segments are for hc")
+        if name not in LOOKUPS:
+            LevelConfig.parse(name)
+        elif method not in SEGMENTED:
+            raise CasspecError(f"{method} takes its lookups from --bottom ({', '.join(BOTTOMS)}): list only dsia "
+                               "levels")
+        out.append((name, int(k) if star else 0))
+    return out

@@ -1,0 +1,78 @@
+"""What a generation reports: its Stats (counted step by step by `record_step`) and its Result."""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+@dataclass
+class Stats:
+    method: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0  # wall time of the whole generation, prefill included
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0  # the policy's time: drafting, and learning after each step
+    verify_seconds: float = 0.0  # target forwards over the trees, acceptance, commits
+    target_forwards: int = 0  # target forwards that emitted tokens (the prefill emits the first token)
+    draft_forwards: int = 0  # draft-level forwards (0 for ar and pld)
+    tree_nodes: int = 0  # draft nodes verified, over all steps (root excluded)
+    finish_reason: str = ""  # eos | stop | length | context
+    latency: str = ""  # where the latency predictor comes from (a profile, or online fitting)
+    predicted_verify_seconds: float = 0.0  # what the predictor expected the verification forwards to take
+    accepted_by_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d+1
+    policy: dict = field(default_factory=dict)  # the drafting policy's own report (dytc: levels, fallbacks, ...)
+
+    @contextmanager
+    def timer(self, phase: str) -> Iterator[None]:
+        """Add the block's wall time to `{phase}_seconds` (prefill, draft or verify)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = f"{phase}_seconds"
+            setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
+
+    def record_step(self, draft_nodes: int, accepted: int, draft_forwards: int, policy: dict) -> None:
+        """One verification step: a tree of `draft_nodes` drafts (root excluded) whose accepted path is `accepted`
+        drafts deep; the generation's draft forwards so far and the policy's report."""
+        self.target_forwards += 1
+        self.tree_nodes += draft_nodes
+        while len(self.accepted_by_depth) < accepted:
+            self.accepted_by_depth.append(0)
+        for d in range(accepted):
+            self.accepted_by_depth[d] += 1
+        self.draft_forwards = draft_forwards
+        self.policy = policy
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per target forward, counting the bonus token (AR = 1.0)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        d.update(tokens_per_s=self.tokens_per_s, mean_accepted_tokens=self.mean_accepted_tokens)
+        return d
+
+    def summary(self) -> str:
+        return (f"[{self.method}] {self.new_tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_s:.1f} tok/s); "
+                f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f}s; "
+                f"{self.target_forwards} target forwards, mean accepted {self.mean_accepted_tokens:.2f}; "
+                f"draft {self.draft_seconds:.2f}s, verify {self.verify_seconds:.2f}s "
+                f"(predicted {self.predicted_verify_seconds:.2f}s); finish: {self.finish_reason}; "
+                f"latency: {self.latency}" + (f"; {json.dumps(self.policy)}" if self.policy else ""))
+
+
+@dataclass
+class Result:
+    text: str  # the generated text (special tokens and the stop string excluded)
+    token_ids: list[int]  # the generated token ids (an EOS that ended generation included)
+    stats: Stats

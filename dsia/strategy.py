@@ -1,0 +1,94 @@
+"""The interface of a draft strategy, and the resources levels share.
+
+A strategy is one acceleration a level name can switch on (`int4`, `skip0.4`, `exit24`, ...). It comes in two
+halves: a `Strategy`, a frozen dataclass of its parameters that parses and names its part of a level name, and
+a `Switch`, the strategy bound to a model (its kernels and whatever it learns per prompt), which adds its
+switches to the level's Plan. Strategies are registered in one tuple in dsia/levels.py; nothing else needs
+editing to add one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import ClassVar, Protocol, TypeVar
+
+from .kvcache import KVCache
+from .model import Transformer
+from .plan import Plan
+
+T = TypeVar("T")
+
+
+class HasBytes(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Resources:
+    """What levels share, built once per model (e.g. one quantized copy per kind serves every level mixing it)."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.built: dict[Hashable, object] = {}  # key -> the object its builder returned
+
+    def get(self, key: Hashable, build: Callable[[Transformer], T]) -> T:
+        """The object under `key`, built by `build(model)` on first use."""
+        if key not in self.built:
+            self.built[key] = build(self.model)
+        return self.built[key]  # type: ignore[return-value]
+
+
+class Switch:
+    """A strategy bound to a model. The defaults switch nothing, learn nothing and hold nothing."""
+
+    def extend(self, plan: Plan) -> Plan:
+        """`plan` with this strategy's switches added (a new Plan; the given one is not modified)."""
+        return plan
+
+    def begin(self, model: Transformer, cache: KVCache, history: list[int]) -> None:
+        """A new prompt: history[:cache.length] is committed (its KV in the cache), history[-1] the root."""
+
+    def observe(self, model: Transformer, cache: KVCache, history: list[int], emitted: list[int]) -> None:
+        """After a step: `emitted` are the newly committed tokens."""
+
+    @property
+    def searching(self) -> bool:
+        """Whether `step` still has evaluations to run (an on-the-fly search of this strategy's switches)."""
+        return False
+
+    def step(self, model: Transformer, cache: KVCache, history: list[int], others: Plan) -> None:
+        """One search evaluation, scored with `others`: the plan of the level's other switches."""
+
+    @property
+    def holds(self) -> tuple[HasBytes, ...]:
+        """The memory this switch holds beyond the target's weights (shared objects are the same object)."""
+        return ()
+
+    @property
+    def writes_all_layers(self) -> bool:
+        """Whether a forward under its switches still writes the KV of every layer."""
+        return True
+
+
+class Strategy:
+    """A strategy's parameters; subclasses are frozen dataclasses (validated in __post_init__, CasspecError)."""
+
+    FORMS: ClassVar[tuple[str, ...]] = ()  # its name forms as the unknown-level error lists them, e.g. "exitL (...)"
+    KEY: ClassVar[str] = ""  # what its part sets, for "<KEY> is given twice"
+
+    @classmethod
+    def parse(cls, part: str) -> Strategy | None:
+        """The strategy one name part spells; None when the part is not of its form (CasspecError saying why when
+        it is, but a value is out of range)."""
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        """Its canonical name part (parse(name) gives it back)."""
+        raise NotImplementedError
+
+    def check(self, model: Transformer) -> None:
+        """Raise CasspecError (saying why) if it cannot run on this model."""
+
+    def bind(self, resources: Resources) -> Switch:
+        """Its runtime part for resources.model, built from (and sharing) `resources`."""
+        raise NotImplementedError

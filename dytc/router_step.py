@@ -1,0 +1,94 @@
+"""The DyTC router's per-step state: the tree under construction, what each node is, and the actions valued.
+
+`Step` is created by `DyTC.draft` for one step and read by `DyTC.observe` after its verification; nothing about a
+step lives anywhere else. Notation as in router.py: p_n a node's estimated acceptance probability, E the expected
+tokens of the step, D the predicted draft ms spent, V(N) the predicted verification ms of an N-node tree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .tree import DraftTree
+
+
+@dataclass
+class Node:
+    source: str  # "root", a level name, its sibling source, a lookup name or an overruled lookup (sources.py)
+    belief: float  # draft probability (level) or match length (lookup) of the token
+    p: float  # estimated probability that the node is accepted
+    depth: int
+    kv: str | None = None  # level whose KV for this node is in scratch (None: no draft forward ran it)
+    dists: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)  # level -> its top tokens/probs
+    proposals: dict[str, tuple[list[int], int]] | None = None  # lookup -> (tokens after this node, match length);
+    # None: not asked yet
+
+
+@dataclass
+class Action:
+    rate: float  # the tree's predicted throughput after the whole action (tokens per ms)
+    node: int
+    source: str  # a level name or a lookup name
+    k: int  # tokens of the segment valued
+    review: int = 0  # level actions: lookup tokens its first forward reviews (vertical cascade)
+    reviewed: str = ""  # the lookup whose proposal it reviews
+
+
+@dataclass
+class Step:
+    """One step's tree under construction and what the router knows of it."""
+    tree: DraftTree
+    nodes: list[Node]  # per tree node
+    verify_ms: np.ndarray  # [n_max + 1] predicted verification ms by node count (index 0 unused)
+    level_ms: dict[str, np.ndarray]  # level -> [n_max + 1] predicted forward ms by token count (index 0 unused)
+    spent: float = 0.0  # predicted draft ms of the actions taken
+
+    @property
+    def expected(self) -> float:
+        """E: expected tokens the step emits (accepted drafts plus the bonus token)."""
+        return sum(nd.p for nd in self.nodes)
+
+    @property
+    def rate(self) -> float:
+        """E / (D + V(N)): the predicted throughput of verifying the tree as it is."""
+        return self.expected / (self.spent + self.verify_ms[len(self.tree)])
+
+    def add(self, parent: int, token: int, source: str, belief: float, p: float) -> int:
+        """A new node below `parent`; its id."""
+        n = self.tree.add(parent, token)
+        self.nodes.append(Node(source, belief, p, self.nodes[parent].depth + 1))
+        return n
+
+    def truncate(self, size: int) -> None:
+        """Drop the nodes from `size` on (the last ones added: nothing else hangs below them)."""
+        del self.tree.tokens[size:], self.tree.parents[size:], self.nodes[size:]
+        if self.tree.q:
+            del self.tree.q[size:]
+
+    def rescale(self, n: int, factor: float) -> None:
+        """Multiply the estimates of n and its subtree (the subtree's conditional estimates are unchanged)."""
+        sub = {n}
+        for c in range(n, len(self.tree)):
+            if c == n or self.tree.parents[c] in sub:
+                sub.add(c)
+                self.nodes[c].p *= factor
+
+
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids -> [start, end) ranges of consecutive ids."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [(a, b) for a, b in runs]
+
+
+def geometric(a: float, t: float) -> float:
+    """a + a^2 + ... + a^t, with a fractional last term for a fractional t (expected accepted tokens of a
+    t-token segment whose tokens are each accepted with probability a given the previous one)."""
+    whole = int(t)
+    total = a * (1 - a ** whole) / (1 - a) if a < 1 else float(whole)
+    return total + (t - whole) * a ** (whole + 1)

@@ -1,0 +1,33 @@
+"""Names of draft sources: what the router, the cascades and the acceptance estimates call each proposer.
+
+A source is a dsia level (named by its level name, e.g. `int4+vocab`) or a zero-cost statistical lookup over the
+token history (`pld`, `maxgram`: dytc/ngram.py). A level's top-1 tokens and its lower-ranked ones (siblings) are
+separate sources, and so is a lookup token that a level reviewed and disagreed with (overruled): each is
+accepted at its own rate.
+"""
+from __future__ import annotations
+
+PLD = "pld"  # prompt lookup (HF's prompt-lookup decoding)
+MAXGRAM = "maxgram"  # CS Drafting's Max-Gram
+LOOKUPS = (PLD, MAXGRAM)  # the statistical sources, in the order `both` uses them
+BOTTOMS = {"pld": (PLD,), "maxgram": (MAXGRAM,), "both": (PLD, MAXGRAM), "none": ()}  # --bottom -> the lookups
+# beneath the levels of vc, tree+vc, vc+hc and dytc ("both": prompt lookup first)
+DEFAULT_BOTTOM = "pld"  # measured best at the bottom of vc and dytc (README: "Statistical bottom")
+OVERRULED = "!"  # suffix of a lookup's source name for its tokens a level reviewed and disagreed with
+SIBLING = "#sib"  # suffix of a level's source name for its tokens other than its top-1
+
+
+def is_lookup(source: str) -> bool:
+    """Whether a source (or its overruled tokens) is a statistical lookup; its belief is then a match length."""
+    return source.removesuffix(OVERRULED) in LOOKUPS
+
+
+def overruled(lookup: str) -> str:
+    """The source name of a lookup's tokens that a level reviewed and disagreed with."""
+    return lookup + OVERRULED
+
+
+def sibling(level: str) -> str:
+    """The source name of a level's lower-ranked tokens: they are accepted far less often than a top-1 token of
+    the same draft probability, so they are estimated apart."""
+    return level + SIBLING

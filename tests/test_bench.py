@@ -40,3 +40,15 @@ def test_bench_on_tiny_model(tmp_path):
     assert first["question_id"] == 1 and len(first["choices"][0]["turns"]) == 2  # both turns answered
     assert len(first["choices"][0]["wall_time_repeats"][0]) == 2
     assert "| ar " in format_table(summary)
+
+
+def test_method_specs_with_variants():
+    from casspec.bench import method_request
+
+    assert parse_methods("vc~maxgram,dytc~both,vc+hc~none,dytc~nopld") == [
+        BASELINE, "vc~maxgram", "dytc~both", "vc+hc~none", "dytc~nopld"]
+    assert method_request("vc~maxgram").lookups == ("maxgram",)
+    assert method_request("dytc~both:int4").lookups == ("pld", "maxgram")
+    assert method_request("dytc~nopld").lookups == ()
+    assert method_request("dytc~const").router.constant_cost is not None
+    assert method_request("hc:int4*2/maxgram*3").levels == ("int4*2", "maxgram*3")

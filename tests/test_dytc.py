@@ -17,13 +17,14 @@ from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, Point
 from dytc.ngram import PromptLookup
 from dytc.policies import ChainConfig, ChainPolicy, DraftContext, TreeConfig, TreePolicy
 from dytc.router import DyTC, RouterConfig
-from dytc.sources import PLD
+from dytc.sources import BOTTOMS, MAXGRAM, PLD
 from dytc.sampling import SamplingParams, warp
 from tiny import ARCHS, joint_chi2_p, tiny_engine
 
 LEVEL_SETS = [("int4",), ("int8", "int4"), ("skip0.3",), ("exit2", "int8"), ("int8+sparse0.5", "vocab"),
               ("int4", "skip0.3")]
-HC_SETS = [("int8*2", "int4*2", "pld*3"), ("skip0.3*3", "pld*4"), ("pld*2", "int4*3"), ("exit2*2", "int8*3")]
+HC_SETS = [("int8*2", "int4*2", "pld*3"), ("skip0.3*3", "pld*4"), ("pld*2", "int4*3"), ("exit2*2", "int8*3"),
+           ("int8*2", "maxgram*3"), ("maxgram*2", "pld*2", "int4*2")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,13 +35,14 @@ def engine(arch: str, seed: int):
 @settings(max_examples=40, deadline=None)
 @given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 2),
        method=st.sampled_from(["vc", "dytc", "hc", "vc+hc", "tree+vc"]), which=st.integers(0, 5),
-       prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24), n=st.integers(1, 40))
-def test_greedy_cascades_and_dytc_equal_ar(arch, seed, method, which, prompt, n):
+       bottom=st.sampled_from(sorted(BOTTOMS)), prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24),
+       n=st.integers(1, 40))
+def test_greedy_cascades_and_dytc_equal_ar(arch, seed, method, which, bottom, prompt, n):
     e = engine(arch, seed)
-    prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that prompt lookup finds matches
+    prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that the lookups find matches
     levels = HC_SETS[which % len(HC_SETS)] if method in ("hc", "vc+hc") else LEVEL_SETS[which]
     ar = e.generate_ids(prompt, Request(max_new_tokens=n))
-    spec = e.generate_ids(prompt, Request(max_new_tokens=n, method=method, levels=levels))
+    spec = e.generate_ids(prompt, Request(max_new_tokens=n, method=method, levels=levels, bottom=bottom))
     assert spec.token_ids == ar.token_ids
     assert spec.stats.new_tokens <= n
 
@@ -97,6 +99,10 @@ def test_bad_levels_get_clear_errors():
         Request(method="dytc", levels=("int4*3",))
     with pytest.raises(CasspecError, match="--bottom"):
         Request(method="vc", levels=("int4", "pld"))
+    with pytest.raises(CasspecError, match="--bottom"):
+        Request(method="dytc", levels=("maxgram",))
+    with pytest.raises(CasspecError, match="unknown bottom"):
+        Request(method="vc", bottom="trigram")
     with pytest.raises(CasspecError, match="one level"):
         Request(method="sd", levels=("int4",))
     with pytest.raises(CasspecError):
@@ -272,14 +278,55 @@ def test_dytc_sampling_runs_to_its_budget(seed, prompt, levels):
 
 @settings(max_examples=20, deadline=None)
 @given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 10_000),
-       method=st.sampled_from(["pld", "vc", "hc", "dytc", "tree+vc"]),
+       method=st.sampled_from(["pld", "vc", "hc", "dytc", "tree+vc"]), bottom=st.sampled_from(sorted(BOTTOMS)),
        prompt=st.lists(st.integers(3, 30), min_size=2, max_size=16), n=st.integers(1, 30))
-def test_seeded_sampling_of_deterministic_drafts_equals_ar(arch, seed, method, prompt, n):
+def test_seeded_sampling_of_deterministic_drafts_equals_ar(arch, seed, method, bottom, prompt, n):
     """Deterministic drafts are checked against position-owned noise: with one seed, every such method emits
     exactly the tokens `ar` samples (and so the same distribution), whatever the tree."""
     e = engine(arch, 0)
     prompt = prompt + prompt
     sp = SamplingParams(temperature=0.8, top_p=0.95)
     ar = e.generate_ids(prompt, Request(max_new_tokens=n, sampling=sp, seed=seed))
-    spec = e.generate_ids(prompt, Request(max_new_tokens=n, sampling=sp, seed=seed, method=method))
+    spec = e.generate_ids(prompt, Request(max_new_tokens=n, sampling=sp, seed=seed, method=method,
+                                          bottom=bottom if method in ("vc", "dytc", "tree+vc") else "pld"))
     assert spec.token_ids == ar.token_ids
+
+
+# ---------------------------------------------------------------------------------------------- statistical bottom
+def test_maxgram_drafts_at_the_bottom_of_vc_and_dytc():
+    """With --bottom maxgram, Max-Gram's tokens are what the levels review (vc) and a source the router drafts
+    with (dytc); with both, each lookup is its own source; all equal ar."""
+    e = tiny_engine("llama", 2)
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
+    ar = e.generate_ids(prompt, Request(max_new_tokens=40))
+    for bottom in ("maxgram", "both"):
+        for method in ("vc", "tree+vc", "vc+hc", "dytc"):
+            r = e.generate_ids(prompt, Request(max_new_tokens=40, method=method, levels=(), bottom=bottom))
+            assert r.token_ids == ar.token_ids, (method, bottom)
+        dytc = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", bottom=bottom))
+        used = set(dytc.stats.policy["drafted_by_source"])
+        assert {s.rstrip("!") for s in used} & {PLD, MAXGRAM} <= set(BOTTOMS[bottom])
+        assert any(s.rstrip("!") == MAXGRAM for s in used) or bottom == "both"
+    none = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", bottom="none"))
+    assert not {s.rstrip("!") for s in none.stats.policy["drafted_by_source"]} & {PLD, MAXGRAM}
+
+
+def test_a_maxgram_segment_drafts_in_hc():
+    e = tiny_engine("llama", 2)
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
+    ar = e.generate_ids(prompt, Request(max_new_tokens=30))
+    hc = e.generate_ids(prompt, Request(max_new_tokens=30, method="hc", levels=("maxgram*4",)))
+    assert hc.token_ids == ar.token_ids
+    assert hc.stats.draft_forwards == 0 and hc.stats.tree_nodes > 0  # a lookup alone: drafts without a forward
+
+
+@pytest.mark.parametrize("method", ["sd", "tree", "vc", "hc", "dytc"])
+def test_every_level_forward_feeds_the_latency_model(method):
+    """One helper runs a level for every policy: its forwards are counted, timed and learned by the latency
+    model (the cascades included)."""
+    e = tiny_engine("llama", 3)
+    assert not e.latency.known("int8")
+    levels = ("int8*3", "pld*2") if method == "hc" else ("int8",) if method in ("vc", "dytc") else ()
+    r = e.generate_ids([5, 6, 7, 8, 5, 6], Request(max_new_tokens=20, method=method, level="int8", levels=levels))
+    assert r.stats.draft_forwards > 0
+    assert e.latency.known("int8")

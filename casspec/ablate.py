@@ -32,7 +32,7 @@ from tqdm import tqdm
 from dsia.errors import CasspecError
 from dytc.sources import LOOKUPS
 
-from .bench import BASELINE, Answer, Question, make_runner, method_request, run_question, summarize
+from .bench import BASELINE, Answer, Question, machine_line, make_runner, method_request, run_question, summarize
 from .engine import Engine
 from .methods import MULTI_LEVEL, SINGLE_LEVEL
 from .levels_report import measure_levels
@@ -164,8 +164,9 @@ def format_results(summary: dict) -> str:
         cells += [f"{m['by_category'][c]['speedup']:.2f}" if c in m["by_category"] else "-" for c in cats]
         cells += [f"{m['memory_mb']:.0f}", ident]
         lines.append("| " + " | ".join(cells) + " |")
-    return (f"{summary['model']}, {summary['device']}, {summary['dtype']}, {summary['max_new_tokens']} new tokens, "
-            f"greedy; speedup over {summary['baseline']} (HF transformers generate) in the same run.\n\n"
+    return (f"{summary['model']}, {summary['device']} ({machine_line(summary)}), {summary['dtype']}, "
+            f"{summary['max_new_tokens']} new tokens, greedy; speedup over {summary['baseline']} (HF transformers "
+            "generate) in the same run.\n\n"
             + "\n".join(lines) + "\n")
 
 

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from dsia.errors import CasspecError
 from dsia.levels import LevelConfig
+from dytc.latency import cpu_flags, machine_info
 from dytc.ngram import PLD_NUM_TOKENS
 from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
@@ -251,7 +252,9 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
             "target_forwards": forwards,
         }
         methods[name].update(_engine_stats(ans))
-    return {"model": engine.name, "device": str(engine.device), "dtype": dtype, "max_new_tokens": max_new_tokens,
+    machine = dict(machine_info(engine.device.type), cpu_flags=cpu_flags())
+    return {"model": engine.name, "device": str(engine.device), "machine": machine, "dtype": dtype,
+            "max_new_tokens": max_new_tokens,
             "sampling": vars(sampling), "baseline": BASELINE, "methods": methods}
 
 
@@ -288,6 +291,17 @@ def _engine_stats(ans: list[Answer]) -> dict:
     return out
 
 
+def machine_line(summary: dict) -> str:
+    """The CPU (model, cores, fast-kernel flags) and GPU a summary was measured on, in a few words."""
+    m = summary.get("machine") or {}
+    words = [f"{m.get('cpu', 'unknown CPU')}, {m.get('cores', '?')} cores"]
+    if m.get("cpu_flags"):
+        words.append(" ".join(m["cpu_flags"]))
+    if m.get("gpu"):
+        words.append(m["gpu"])
+    return "; ".join(words)
+
+
 def format_table(summary: dict) -> str:
     rows = [("method", "tokens/s", "speedup", "MAT", "identical", "questions", "draft s / verify s")]
     for name, m in summary["methods"].items():
@@ -300,7 +314,7 @@ def format_table(summary: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    head = (f"model {summary['model']}, {summary['device']}, {summary['dtype']}, "
+    head = (f"model {summary['model']}, {summary['device']} ({machine_line(summary)}), {summary['dtype']}, "
             f"max_new_tokens {summary['max_new_tokens']}, baseline {summary['baseline']}")
     return head + "\n" + "\n".join(lines)
 

@@ -257,6 +257,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
+# /proc/cpuinfo flags that change which CPU kernels are fast (named with every measurement)
+
+
+def cpu_flags() -> list[str]:
+    """The ISA_FLAGS this CPU reports (empty where /proc/cpuinfo is not readable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in ISA_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
 def _version(pkg: str) -> str | None:
     try:
         return metadata.version(pkg)

@@ -67,13 +67,16 @@ class Answer:
         return sum(self.new_tokens) / seconds if seconds > 0 else 0.0
 
 
-def read_questions(path: str | Path, limit: int | None = None) -> list[Question]:
-    """Read a Spec-Bench-format JSONL file: {"question_id", "category", "turns": [str, ...]} per line."""
+def read_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Question]:
+    """Read a Spec-Bench-format JSONL file: {"question_id", "category", "turns": [str, ...]} per line. `limit`
+    keeps the first N questions; `per_category` the first N of every category (in file order), so that a short
+    run still covers every category of the file."""
     p = Path(path)
     if not p.is_file():
         raise CasspecError(f"questions file {str(p)!r} does not exist: pass a Spec-Bench JSONL file")
-    if limit is not None and limit < 1:
-        raise CasspecError(f"--limit must be >= 1 (got {limit})")
+    for flag, value in (("--limit", limit), ("--per-category", per_category)):
+        if value is not None and value < 1:
+            raise CasspecError(f"{flag} must be >= 1 (got {value})")
     questions = []
     for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -91,6 +94,14 @@ def read_questions(path: str | Path, limit: int | None = None) -> list[Question]
             break
     if not questions:
         raise CasspecError(f"{p} holds no questions")
+    if per_category is not None:
+        taken: dict[str, int] = {}
+        kept = []
+        for q in questions:
+            taken[q.category] = taken.get(q.category, 0) + 1
+            if taken[q.category] <= per_category:
+                kept.append(q)
+        questions = kept
     return questions
 
 

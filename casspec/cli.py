@@ -30,6 +30,7 @@ def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL 
     """The arguments of commands that run over a questions file."""
     p.add_argument("--questions", required=True, help=help)
     p.add_argument("--limit", type=int, default=None, help="first N questions only")
+    p.add_argument("--per-category", type=int, default=None, help="the first N questions of every category")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -146,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     methods = parse_methods(args.methods)
     LevelConfig.parse(args.level)
-    questions = read_questions(args.questions, args.limit)
+    questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 1:
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
@@ -166,7 +167,7 @@ def cmd_levels(args: argparse.Namespace) -> int:
     from .levels_report import format_levels, measure_levels, parse_levels
 
     names = parse_levels(args.levels)
-    questions = read_questions(args.questions, args.limit)
+    questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 2:
         raise CasspecError(f"--max-new-tokens must be >= 2 (got {args.max_new_tokens})")
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
@@ -206,7 +207,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from .bench import BASELINE, parse_methods, read_questions
     from .engine import Engine
 
-    questions = read_questions(args.questions, args.limit)
+    questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 1:
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     rows = parse_methods(args.rows) if args.rows else None

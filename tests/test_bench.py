@@ -52,3 +52,13 @@ def test_method_specs_with_variants():
     assert method_request("dytc~nopld").lookups == ()
     assert method_request("dytc~const").router.constant_cost is not None
     assert method_request("hc:int4*2/maxgram*3").levels == ("int4*2", "maxgram*3")
+
+
+def test_per_category_takes_the_first_questions_of_every_category(tmp_path):
+    qfile = tmp_path / "q.jsonl"
+    cats = ["writing", "qa", "writing", "rag", "qa", "writing", "qa"]
+    qfile.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"w{i}"]})
+                               for i, c in enumerate(cats)) + "\n")
+    assert [q.question_id for q in read_questions(qfile, per_category=2)] == [0, 1, 2, 3, 4]
+    assert [q.question_id for q in read_questions(qfile, per_category=1)] == [0, 1, 3]
+    assert [q.question_id for q in read_questions(qfile, limit=3, per_category=1)] == [0, 1]

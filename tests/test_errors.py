@@ -64,6 +64,7 @@ def test_hf_folder_loads_and_generates(capsys, hf_dir):
     (["bench", "--questions", "QFILE", "--methods", "hf-ar,warp"], "unknown method"),
     (["bench", "--questions", "QFILE", "--methods", "sd~maxgram"], "unknown method"),
     (["bench", "--questions", "QFILE", "--limit", "0"], "--limit"),
+    (["bench", "--questions", "QFILE", "--per-category", "0"], "--per-category"),
     (["bench", "--questions", "BADQ"], "not a Spec-Bench question"),
     (["frobnicate"], "invalid choice"),
 ])

@@ -156,8 +156,8 @@ def parse_methods(spec: str | Sequence[str]) -> list[str]:
 
 # one turn: prompt ids, max new tokens -> (new token ids, target forwards, engine stats or {})
 TurnFn = Callable[[list[int], int], tuple[list[int], int, dict]]
-STAT_SUMS = ("prefill_seconds", "draft_seconds", "verify_seconds", "predicted_verify_seconds", "draft_forwards",
-             "tree_nodes")
+STAT_SUMS = ("prefill_seconds", "draft_seconds", "draft_forward_seconds", "verify_seconds", "predicted_verify_seconds",
+             "draft_forwards", "tree_nodes")
 
 
 def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams) -> TurnFn:
@@ -276,13 +276,16 @@ def _engine_stats(ans: list[Answer]) -> dict:
     turns = [st for a in ans for st in a.stats if st]
     if not turns:
         return {}
-    out = {k: sum(st[k] for st in turns) for k in STAT_SUMS}
+    out = {k: sum(st[k] for st in turns) for k in STAT_SUMS if all(k in st for st in turns)}  # (rows run by an
+    # older version may lack a newer key)
     steps = sum(f - 1 for a in ans for f in a.forwards)  # verification forwards (the prefill excluded)
     depth = max((len(st["accepted_by_depth"]) for st in turns), default=0)
     reached = [sum(st["accepted_by_depth"][d] for st in turns if d < len(st["accepted_by_depth"]))
                for d in range(depth)]
     out["acceptance_by_depth"] = [r / steps for r in reached] if steps else []
     out["mean_tree_nodes"] = out["tree_nodes"] / steps if steps else 0.0
+    if "draft_forward_seconds" in out and steps:
+        out["policy_ms_per_step"] = (out["draft_seconds"] - out["draft_forward_seconds"]) * 1e3 / steps
     reports = [st["policy"] for st in turns if st.get("policy")]
     if reports:  # dytc: fallbacks, tokens and acceptance per source, predicted vs measured draft time
         pol: dict = {k: sum(r[k] for r in reports) for k in ("steps", "fallback_steps", "predicted_draft_ms",
@@ -314,14 +317,15 @@ def machine_line(summary: dict) -> str:
 
 
 def format_table(summary: dict) -> str:
-    rows = [("method", "tokens/s", "speedup", "MAT", "identical", "questions", "draft s / verify s")]
+    rows = [("method", "tokens/s", "speedup", "MAT", "identical", "questions", "draft s / verify s", "policy ms/step")]
     for name, m in summary["methods"].items():
         ident = "-" if m["identical_to_baseline"] is None else str(m["identical_to_baseline"]).lower()
         if m.get("differing_turns"):
             ident += f" ({len(m['differing_turns'])} turns differ)"
         split = f"{m['draft_seconds']:.1f} / {m['verify_seconds']:.1f}" if "draft_seconds" in m else "-"
+        policy = f"{m['policy_ms_per_step']:.2f}" if "policy_ms_per_step" in m else "-"
         rows.append((name, f"{m['tokens_per_s']:.2f}", f"{m['speedup']:.3f}", f"{m['mean_accepted_tokens']:.2f}",
-                     ident, str(m["questions"]), split))
+                     ident, str(m["questions"]), split, policy))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

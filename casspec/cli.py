@@ -1,4 +1,4 @@
-"""`casspec` command line: generate | bench | levels | profile | ablate.
+"""`casspec` command line: generate | bench | levels | profile | ablate | tune.
 
 Bad input: one error line on stderr, exit status 2."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dsia.errors import CasspecError
+from dsia.kernels import KERNELS
 from dsia.levels import LevelConfig
 from dytc.sources import DEFAULT_BOTTOM
 
@@ -24,6 +25,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (cuda)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--max-context", type=int, default=None, help="cap the context window (tokens)")
+    p.add_argument("--kernels", default="auto", choices=["auto", *KERNELS], help="the target's dense products: "
+                   "auto (the fastest on this machine, measured once and cached) or one kernel forced")
+
+
+def _engine(args: argparse.Namespace):
+    """The engine the common arguments ask for (the slow part: loading, kernel choice)."""
+    from .engine import Engine
+
+    return Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context,
+                                  kernels=args.kernels)
 
 
 def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL file") -> None:
@@ -37,7 +48,7 @@ def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="casspec", description="Lossless self-speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_generate_args, _bench_args, _levels_args, _profile_args, _ablate_args):
+    for add in (_generate_args, _bench_args, _levels_args, _profile_args, _ablate_args, _tune_args):
         add(sub)
     return parser
 
@@ -111,10 +122,28 @@ def _ablate_args(sub) -> None:
     _common(ab)
 
 
+def _tune_args(sub) -> None:
+    tu = sub.add_parser("tune", help="measure which dense kernel is fastest on this machine, per token count")
+    tu.add_argument("--refresh", action="store_true", help="measure again even if a choice is cached")
+    _common(tu)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from dsia.model import Transformer
+
+    from .loading import load
+    from .tune import format_tuning, tuned_kernels
+
+    model = Transformer.from_hf(load(args.model, args.dtype, args.device).model)
+    kernels, rec = tuned_kernels(model, refresh=args.refresh)
+    print(format_tuning(rec))
+    print(f"chosen: {kernels.describe()} ({rec['source']}, {rec['created']})")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from dytc.sampling import SamplingParams
 
-    from .engine import Engine
     from .request import Request
 
     if not args.prompt.strip():
@@ -124,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     Request(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
             stop=tuple(args.stop), seed=args.seed, method=args.method, level=args.level, levels=levels,
             bottom=args.bottom)
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    engine = _engine(args)
     pieces = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, stop=args.stop, seed=args.seed,
                              method=args.method, level=args.level, levels=levels,
@@ -143,14 +172,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dytc.sampling import SamplingParams
 
     from .bench import format_table, parse_methods, read_questions, run_bench
-    from .engine import Engine
 
     methods = parse_methods(args.methods)
     LevelConfig.parse(args.level)
     questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 1:
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    engine = _engine(args)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     summary = run_bench(engine, questions, methods, args.max_new_tokens, args.out, args.dtype,
                         repeats=args.repeats, progress=not args.no_progress, level=args.level, sampling=sampling)
@@ -163,21 +191,19 @@ def cmd_levels(args: argparse.Namespace) -> int:
     import json
 
     from .bench import read_questions
-    from .engine import Engine
     from .levels_report import format_levels, measure_levels, parse_levels
 
     names = parse_levels(args.levels)
     questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 2:
         raise CasspecError(f"--max-new-tokens must be >= 2 (got {args.max_new_tokens})")
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    engine = _engine(args)
     report = measure_levels(engine, questions, names, args.max_new_tokens, progress=not args.no_progress)
     print(json.dumps(report, indent=1) if args.json else format_levels(report))
     return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .engine import Engine
     from .profile import check_out, config_for, format_profile, profile, write_profile
 
     if args.refit:
@@ -195,7 +221,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 0
     cfg = config_for(args.quick, args.levels)
     check_out(args.out)
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    engine = _engine(args)
     prof = profile(engine, cfg, progress=not args.no_progress)
     print(format_profile(prof))
     print(f"wrote {', '.join(map(str, write_profile(prof, args.out, args.plot)))}", file=sys.stderr)
@@ -205,7 +231,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_ablate(args: argparse.Namespace) -> int:
     from .ablate import ablate, default_rows, format_results, update_readme
     from .bench import BASELINE, parse_methods, read_questions
-    from .engine import Engine
 
     questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 1:
@@ -213,7 +238,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     rows = parse_methods(args.rows) if args.rows else None
     if args.readme is not None and not Path(args.readme).is_file():
         raise CasspecError(f"--readme {args.readme!r} is not a file")
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context)
+    engine = _engine(args)
     rows = rows or default_rows(engine)
     assert rows[0] == BASELINE
     summary = ablate(engine, questions, rows, args.max_new_tokens, args.out, args.dtype, progress=not args.no_progress)
@@ -225,7 +250,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "levels": cmd_levels, "profile": cmd_profile,
-            "ablate": cmd_ablate}
+            "ablate": cmd_ablate, "tune": cmd_tune}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,14 +26,18 @@ from .loading import Loaded, load
 from .methods import Drafters, make_policy
 from .request import Prompt, Request
 from .stats import Result, Stats
+from .tune import kernels_for
 
 
 class Engine:
-    def __init__(self, loaded: Loaded, max_context: int | None = None) -> None:
+    def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto") -> None:
+        """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
+        every token count ("blas" | "onednn")."""
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
-        self.model = Transformer.from_hf(loaded.model)
+        dense, self.kernels = kernels_for(Transformer.from_hf(loaded.model), kernels)
+        self.model = Transformer.from_hf(loaded.model, dense)
         if max_context is not None and max_context < 2:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         self.cache: KVCache = self.model.new_cache(max_context)
@@ -45,9 +49,10 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
-                        device: str | torch.device = "cpu", max_context: int | None = None) -> "Engine":
+                        device: str | torch.device = "cpu", max_context: int | None = None,
+                        kernels: str = "auto") -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file."""
-        return cls(load(model, dtype, device), max_context)
+        return cls(load(model, dtype, device), max_context, kernels)
 
     @property
     def device(self) -> torch.device:
@@ -138,7 +143,8 @@ class Engine:
 
     # ------------------------------------------------------------------ text and stops
     def _stream(self, prompt_ids: list[int], req: Request) -> Iterator[str]:
-        stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source)
+        stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
+                      kernels=self.kernels)
         out: list[int] = []
         hold = max((len(s) for s in req.stop), default=1) - 1  # chars a stop string could still claim
         sent = 0
@@ -210,7 +216,7 @@ class Engine:
             ctx.commit(emitted)
             with stats.timer("draft"):
                 policy.observe(ctx, tree, path, emitted)
-            stats.record_step(len(tree) - 1, len(path) - 1, ctx.draft_forwards, policy.report())
+            stats.record_step(len(tree) - 1, len(path) - 1, ctx.draft_forwards, ctx.draft_ms, policy.report())
             yield emitted
 
     @staticmethod

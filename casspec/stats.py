@@ -19,9 +19,11 @@ class Stats:
     verify_seconds: float = 0.0  # target forwards over the trees, acceptance, commits
     target_forwards: int = 0  # target forwards that emitted tokens (the prefill emits the first token)
     draft_forwards: int = 0  # draft-level forwards (0 for ar and pld)
+    draft_forward_seconds: float = 0.0  # their time; the rest of draft_seconds is the policy's own overhead
     tree_nodes: int = 0  # draft nodes verified, over all steps (root excluded)
     finish_reason: str = ""  # eos | stop | length | context
     latency: str = ""  # where the latency predictor comes from (a profile, or online fitting)
+    kernels: str = ""  # which dense kernel ran the target's products, by token count, and where the choice came from
     predicted_verify_seconds: float = 0.0  # what the predictor expected the verification forwards to take
     accepted_by_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d+1
     policy: dict = field(default_factory=dict)  # the drafting policy's own report (dytc: levels, fallbacks, ...)
@@ -36,9 +38,10 @@ class Stats:
             name = f"{phase}_seconds"
             setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
 
-    def record_step(self, draft_nodes: int, accepted: int, draft_forwards: int, policy: dict) -> None:
+    def record_step(self, draft_nodes: int, accepted: int, draft_forwards: int, draft_forward_ms: float,
+                    policy: dict) -> None:
         """One verification step: a tree of `draft_nodes` drafts (root excluded) whose accepted path is `accepted`
-        drafts deep; the generation's draft forwards so far and the policy's report."""
+        drafts deep; the generation's draft forwards so far, their milliseconds, and the policy's report."""
         self.target_forwards += 1
         self.tree_nodes += draft_nodes
         while len(self.accepted_by_depth) < accepted:
@@ -46,6 +49,7 @@ class Stats:
         for d in range(accepted):
             self.accepted_by_depth[d] += 1
         self.draft_forwards = draft_forwards
+        self.draft_forward_seconds = draft_forward_ms / 1e3
         self.policy = policy
 
     @property
@@ -57,18 +61,28 @@ class Stats:
         """Tokens emitted per target forward, counting the bonus token (AR = 1.0)."""
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
+    @property
+    def policy_ms_per_step(self) -> float:
+        """The drafting policy's own time per verification step, outside level forwards (planning, lookups,
+        bookkeeping)."""
+        steps = self.target_forwards - 1
+        return (self.draft_seconds - self.draft_forward_seconds) * 1e3 / steps if steps > 0 else 0.0
+
     def as_dict(self) -> dict:
         d = dict(vars(self))
-        d.update(tokens_per_s=self.tokens_per_s, mean_accepted_tokens=self.mean_accepted_tokens)
+        d.update(tokens_per_s=self.tokens_per_s, mean_accepted_tokens=self.mean_accepted_tokens,
+                 policy_ms_per_step=self.policy_ms_per_step)
         return d
 
     def summary(self) -> str:
         return (f"[{self.method}] {self.new_tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_s:.1f} tok/s); "
                 f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f}s; "
                 f"{self.target_forwards} target forwards, mean accepted {self.mean_accepted_tokens:.2f}; "
-                f"draft {self.draft_seconds:.2f}s, verify {self.verify_seconds:.2f}s "
+                f"draft {self.draft_seconds:.2f}s (level forwards {self.draft_forward_seconds:.2f}s, policy "
+                f"{self.policy_ms_per_step:.2f} ms/step), verify {self.verify_seconds:.2f}s "
                 f"(predicted {self.predicted_verify_seconds:.2f}s); finish: {self.finish_reason}; "
-                f"latency: {self.latency}" + (f"; {json.dumps(self.policy)}" if self.policy else ""))
+                f"latency: {self.latency}; kernels: {self.kernels}"
+                + (f"; {json.dumps(self.policy)}" if self.policy else ""))
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CasspecError
+from .kernels import DenseKernels
 from .kvcache import KVCache
 from .plan import TARGET, Plan
 
@@ -75,28 +76,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(dtype)
 
 
-def _onednn_linear_available() -> bool:
-    try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_ONEDNN = _onednn_linear_available()
-
-
-def dense_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """x [T, in] @ w [out, in]^T (+ b) -> [T, out].
-
-    On CPU in float32, oneDNN's inner product (the op torch.compile's CPU backend emits) reads the plain
-    row-major weight about 1.5-2x faster than the default BLAS path for the few-token products of decoding
-    and verification (measured here: SmolLM2-135M step 54 -> ~30 ms); elsewhere it is F.linear.
-    """
-    if _ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
-    return F.linear(x, w, b)
-
-
 def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -106,8 +85,11 @@ class Transformer:
     """The runtime: spec + references to the HF model's tensors + RoPE tables. Stateless across calls."""
 
     def __init__(self, spec: ModelSpec, embed: Tensor, layers: list[LayerWeights], norm: Tensor,
-                 lm_head: Tensor, inv_freq: Tensor, rope_scale: float) -> None:
+                 lm_head: Tensor, inv_freq: Tensor, rope_scale: float, dense: DenseKernels | None = None) -> None:
         self.spec = spec
+        # the dense product of every target linear and the head, per token count (None: oneDNN where it exists
+        # for the dtype, else BLAS; casspec.tune measures the fastest on this machine)
+        self.dense = dense if dense is not None else DenseKernels.default(embed.dtype, embed.device)
         self.embed = embed  # [V, D]
         self.layers = layers
         self.norm = norm  # [D]
@@ -127,8 +109,9 @@ class Transformer:
         return self.embed.device
 
     @staticmethod
-    def from_hf(model) -> "Transformer":
-        """Wrap a loaded HF `*ForCausalLM` (Llama family) without copying its weights."""
+    def from_hf(model, dense: DenseKernels | None = None) -> "Transformer":
+        """Wrap a loaded HF `*ForCausalLM` (Llama family) without copying its weights; `dense`: the kernels of its
+        dense products (None: the default for its dtype and device)."""
         spec = ModelSpec.from_hf_config(model.config)
         inner = model.model
         layers = []
@@ -147,7 +130,8 @@ class Transformer:
                 bias={n: p.bias.data for n, p in projs.items() if getattr(p, "bias", None) is not None}))
         rot = inner.rotary_emb
         return Transformer(spec, inner.embed_tokens.weight.data, layers, inner.norm.weight.data,
-                           model.lm_head.weight.data, rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
+                           model.lm_head.weight.data, rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)),
+                           dense)
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         s = self.spec
@@ -204,7 +188,7 @@ class Transformer:
         if logits_rows is not None:
             x = x[logits_rows]
         h = rms_norm(x, self.norm, s.norm_eps)  # [N, D]
-        logits = plan.head(h) if plan.head is not None else dense_linear(h, self.lm_head)
+        logits = plan.head(h) if plan.head is not None else self.dense(h, self.lm_head)
         return logits.float()  # [N, V]
 
     def _attn_mask(self, length: int, start: int, T: int, scratch_mask: Tensor | None,
@@ -229,7 +213,7 @@ class Transformer:
         if fn is not None:
             y = fn(x)
             return y if b is None else y + b
-        return dense_linear(x, w, b)
+        return self.dense(x, w, b)
 
     def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, start: int, end: int,
                    cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool, plan: Plan) -> Tensor:

@@ -1,8 +1,10 @@
 """Drafting policies: who drafts the tree the target verifies each step.
 
 A policy sees a DraftContext (the runtime, the KV cache, the token history whose last token is the root) and
-returns a DraftTree. Draft forwards write only scratch slots: node i of the tree lives at slot
-cache.length + i, so a forward over a contiguous range of new nodes passes their rows of the ancestor mask.
+returns a DraftTree. Every policy runs its levels through `DraftContext.run_level`, the one place a draft forward
+is counted, timed and learned by the latency model. Draft forwards write only scratch slots: node i of the tree
+lives at slot cache.length + i, so a forward over a contiguous range of new nodes passes their rows of the
+ancestor mask.
 
   ar    the root alone (plain autoregressive decoding)
   pld   a chain copied by prompt lookup (n-gram match over prompt + output)

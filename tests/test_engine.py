@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 
 from casspec.engine import Request
 from dytc.sampling import SamplingParams
-from tiny import ARCHS, tiny_engine
+from tiny import ARCHS, KERNELS, tiny_engine
 
 
 @functools.lru_cache(maxsize=None)
-def engine(arch: str = "llama", seed: int = 0, max_context: int | None = None):
-    return tiny_engine(arch, seed, max_context=max_context)
+def engine(arch: str = "llama", seed: int = 0, max_context: int | None = None, kernels: str = "blas"):
+    return tiny_engine(arch, seed, max_context=max_context, kernels=kernels)
 
 
 def hf_greedy(e, ids: list[int], n: int) -> list[int]:
@@ -25,9 +25,10 @@ def hf_greedy(e, ids: list[int], n: int) -> list[int]:
 
 @settings(max_examples=20, deadline=None)
 @given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 3), prompt=st.lists(st.integers(3, 96), min_size=1,
-                                                                             max_size=30))
-def test_ar_greedy_equals_hf_generate(arch, seed, prompt):
-    e = engine(arch, seed)
+                                                                             max_size=30),
+       kernels=st.sampled_from(KERNELS))
+def test_ar_greedy_equals_hf_generate(arch, seed, prompt, kernels):
+    e = engine(arch, seed, kernels=kernels)
     res = e.generate_ids(prompt, Request(max_new_tokens=24))
     assert res.token_ids == hf_greedy(e, prompt, 24)
     assert res.stats.mean_accepted_tokens == 1.0
@@ -131,3 +132,15 @@ def test_engine_without_profile_fits_latency_online():
     assert e.latency.known("target")  # learned from its own verification timings
     mean, std = e.latency.predict_ms("target", 1, 10)
     assert mean > 0 and std >= 0
+
+
+def test_stats_split_draft_time_into_level_forwards_and_policy_overhead():
+    e = tiny_engine("llama", 0)
+    r = e.generate_ids([5, 6, 7, 8, 5, 6, 7], Request(max_new_tokens=24, method="dytc", levels=("int8",)))
+    st = r.stats
+    assert st.draft_forwards > 0 and 0 < st.draft_forward_seconds <= st.draft_seconds
+    assert st.policy_ms_per_step == pytest.approx(
+        (st.draft_seconds - st.draft_forward_seconds) * 1e3 / (st.target_forwards - 1))
+    assert "ms/step" in st.summary() and st.as_dict()["policy_ms_per_step"] == st.policy_ms_per_step
+    ar = e.generate_ids([5, 6, 7], Request(max_new_tokens=5))
+    assert ar.stats.draft_forward_seconds == 0.0 and ar.stats.draft_forwards == 0

@@ -11,24 +11,25 @@ from casspec.engine import Request
 from dytc.sampling import SamplingParams, warp
 from dytc.tree import DraftTree
 from dytc.verify import verify_greedy, verify_sampling
-from tiny import ARCHS, chi2_p, joint_chi2_p, tiny_engine
+from tiny import ARCHS, KERNELS, chi2_p, joint_chi2_p, tiny_engine
 
 V = 6  # tiny vocabulary for the distribution tests
 DRAWS = 20_000
 
 
 @functools.lru_cache(maxsize=None)
-def engine(arch: str, seed: int):
-    return tiny_engine(arch, seed)
+def engine(arch: str, seed: int, kernels: str = "blas"):
+    return tiny_engine(arch, seed, kernels=kernels)
 
 
 @settings(max_examples=30, deadline=None)
 @given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 2),
        method=st.sampled_from(["pld", "sd", "tree"]),
        level=st.sampled_from(["int8", "int4", "skip0.3", "exit2", "sparse0.5", "vocab", "int8+sparse0.5+vocab"]),
-       prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24), n=st.integers(1, 40))
-def test_greedy_methods_equal_ar(arch, seed, method, level, prompt, n):
-    e = engine(arch, seed)
+       prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24), n=st.integers(1, 40),
+       kernels=st.sampled_from(KERNELS))
+def test_greedy_methods_equal_ar(arch, seed, method, level, prompt, n, kernels):
+    e = engine(arch, seed, kernels)
     prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that pld finds matches
     ar = e.generate_ids(prompt, Request(max_new_tokens=n))
     spec = e.generate_ids(prompt, Request(max_new_tokens=n, method=method, level=level))

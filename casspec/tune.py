@@ -1,0 +1,97 @@
+"""`casspec tune`: which dense kernel runs the target's products on this machine, measured once and cached.
+
+The choice (dsia/kernels.py) is timed on first use, a few seconds, and kept in the user cache
+(`cache_root()/kernels.json`) under a key of everything it depends on: CPU model and ISA flags, GPU, torch
+version, threads, dtype, device and the model's weight shapes. A machine, torch build or model it was not
+measured for is measured anew; nothing measured elsewhere is used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from dsia.errors import CasspecError
+from dsia.kernels import BUCKETS, DenseKernels, choose, measure
+from dsia.model import Transformer
+from dytc.latency import cpu_flags, machine_info
+
+from .loading import cache_root
+
+KERNELS_FILE = "kernels.json"  # in the user cache: key -> {"names", "timings_ms", "created"}
+
+
+def weight_shapes(model: Transformer) -> list[tuple[int, int]]:
+    """[out, in] of one layer's projections and of the LM head: what one timing pass multiplies."""
+    lw = model.layers[0]
+    return [tuple(w.shape) for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down, model.lm_head)]
+
+
+def tuning_key(model: Transformer) -> str:
+    """Everything the fastest kernel depends on, as one string."""
+    m = machine_info(model.device.type)
+    return json.dumps({"cpu": m["cpu"], "flags": cpu_flags(), "gpu": m["gpu"], "torch": m["torch"],
+                       "threads": m["threads"], "dtype": str(model.dtype), "device": model.device.type,
+                       "shapes": weight_shapes(model)}, sort_keys=True)
+
+
+def _read(path: Path) -> dict:
+    try:
+        store = json.loads(path.read_text())
+        return store if isinstance(store, dict) else {}
+    except (OSError, ValueError):
+        return {}  # missing or unreadable: measure again
+
+
+def _write(path: Path, store: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(store, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"casspec: warning: cannot cache the kernel choice in {path} ({e.strerror}); it is measured again "
+              "next time", file=sys.stderr)
+
+
+def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = False) -> tuple[DenseKernels, dict]:
+    """The measured kernel choice for this model on this machine (cached), and its record: {"names",
+    "timings_ms": {kernel: [ms per bucket]}, "created", "source": "cached" | "measured"}."""
+    path = path or cache_root() / KERNELS_FILE
+    key = tuning_key(model)
+    store = _read(path)
+    rec = store.get(key)
+    valid = isinstance(rec, dict) and isinstance(rec.get("names"), list) and len(rec["names"]) == len(BUCKETS)
+    if valid and not refresh:
+        try:
+            return DenseKernels(tuple(rec["names"])), dict(rec, source="cached")
+        except CasspecError:
+            pass  # a kernel this version does not know: measure again
+    timings = measure(weight_shapes(model), model.dtype, model.device)
+    chosen = choose(timings)
+    rec = {"names": list(chosen.names), "timings_ms": timings, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    store[key] = rec
+    _write(path, store)
+    return chosen, dict(rec, source="measured")
+
+
+def format_tuning(rec: dict) -> str:
+    """The timing table behind a choice: ms of one layer's products + head per kernel and token bucket."""
+    timings = rec["timings_ms"]
+    head = "| tokens | " + " | ".join(f"{k} ms" for k in timings) + " | chosen |"
+    lines = [head, "|" + "---|" * (len(timings) + 2)]
+    for j, top in enumerate(BUCKETS):
+        cells = [f"{timings[k][j]:.3f}" for k in timings]
+        lines.append(f"| {top} | " + " | ".join(cells) + f" | {rec['names'][j]} |")
+    return "\n".join(lines)
+
+
+def kernels_for(model: Transformer, choice: str) -> tuple[DenseKernels, str]:
+    """`choice`: "auto" (measured, cached) or a kernel name forced for every token count; and a description."""
+    if choice == "auto":
+        kernels, rec = tuned_kernels(model)
+        return kernels, f"{kernels.describe()} ({rec['source']})"
+    kernels = DenseKernels.forced(choice)
+    return kernels, f"{kernels.describe()} (forced)"

@@ -1,0 +1,73 @@
+"""Dense kernels chosen by measurement: the selection logic on injected timings (the AMD and the Intel machines
+this project has seen), every candidate computing the product, and the cached choice."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from casspec.tune import format_tuning, tuned_kernels, tuning_key
+from dsia.errors import CasspecError
+from dsia.kernels import BUCKETS, DenseKernels, bucket_of, candidates, choose
+from dsia.model import Transformer
+from tiny import tiny_engine, tiny_model
+
+# ms of one layer's linears plus the LM head of SmolLM2-135M at 1, 4, 8, 16 tokens (issue 13), spread over BUCKETS
+INTEL = {"blas": [3.58, 5.0, 6.71, 13.24, 14.26, 20.0, 30.0], "onednn": [3.79, 6.0, 9.36, 11.11, 13.48, 21.0, 33.0]}
+AMD = {"blas": [6.0, 8.0, 10.0, 16.0, 22.0, 30.0, 50.0], "onednn": [3.2, 4.5, 5.5, 9.0, 14.0, 24.0, 45.0]}
+
+
+def test_choice_follows_the_measurement():
+    assert choose(AMD).names == ("onednn",) * len(BUCKETS)  # oneDNN 1.5-2x faster there
+    intel = choose(INTEL)  # BLAS wins but where oneDNN is faster by more than the margin (8 and 16 tokens)
+    assert intel.names == ("blas", "blas", "blas", "onednn", "onednn", "blas", "blas")
+    near = {"blas": [10.0] * len(BUCKETS), "onednn": [9.8] * len(BUCKETS)}  # 2% faster: within the margin
+    assert choose(near).names == ("blas",) * len(BUCKETS)
+    assert choose({"blas": INTEL["blas"]}).names == ("blas",) * len(BUCKETS)  # the only candidate (e.g. a GPU)
+
+
+def test_buckets_and_description():
+    assert [bucket_of(t) for t in (1, 2, 3, 4, 5, 64, 65, 1000)] == [0, 1, 2, 2, 3, 6, 6, 6]
+    k = DenseKernels(("onednn", "onednn", "blas", "blas", "onednn", "blas", "blas"))
+    assert k.describe() == "onednn (T 1-2), blas (T 3-8), onednn (T 9-16), blas (T 17+)"
+    assert DenseKernels.forced("blas").describe() == "blas (T 1+)"
+    with pytest.raises(CasspecError, match="unknown kernel"):
+        DenseKernels.forced("fast")
+
+
+@pytest.mark.parametrize("name", sorted(candidates(torch.float32, "cpu")))
+@pytest.mark.parametrize("T", [1, 3, 16, 70])
+def test_every_candidate_computes_the_product(name, T):
+    g = torch.Generator().manual_seed(T)
+    x, w, b = torch.randn(T, 48, generator=g), torch.randn(80, 48, generator=g), torch.randn(80, generator=g)
+    torch.testing.assert_close(DenseKernels.forced(name)(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()  # another dtype always goes to BLAS, whatever was measured for float32
+    assert torch.equal(DenseKernels.forced(name)(xb, wb), F.linear(xb, wb))
+
+
+def test_the_choice_is_measured_once_and_cached(tmp_path):
+    model = Transformer.from_hf(tiny_model("llama", seed=1))
+    path = tmp_path / "kernels.json"
+    first, rec = tuned_kernels(model, path)
+    assert rec["source"] == "measured" and set(rec["timings_ms"]) == set(candidates(torch.float32, "cpu"))
+    assert first == choose(rec["timings_ms"])
+    again, rec2 = tuned_kernels(model, path)
+    assert again == first and rec2["source"] == "cached"
+    assert tuned_kernels(model, path, refresh=True)[1]["source"] == "measured"
+    other = Transformer.from_hf(tiny_model("llama", seed=1, dim=96))  # another model shape: another key
+    assert tuning_key(other) != tuning_key(model)
+    assert tuned_kernels(other, path)[1]["source"] == "measured"
+    assert len(json.loads(path.read_text())) == 2
+    path.write_text("{not json")  # a corrupt cache is measured again, not trusted
+    assert tuned_kernels(model, path)[1]["source"] == "measured"
+    assert "| 1 |" in format_tuning(rec)
+
+
+def test_engine_reports_its_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path))
+    e = tiny_engine("llama", 5, kernels="auto")
+    assert e.kernels.endswith("(measured)") and (tmp_path / "kernels.json").is_file()
+    assert tiny_engine("llama", 5, kernels="auto").kernels.endswith("(cached)")
+    r = e.generate("w5 w6 w7", max_new_tokens=4)
+    assert f"kernels: {e.kernels}" in r.stats.summary()
+    assert tiny_engine("llama", 5).kernels == "blas (T 1+) (forced)"

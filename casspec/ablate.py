@@ -3,7 +3,7 @@
 Rows (bench method specs, see bench.method_request): the HF baseline, ar, pld, each single level alone as `sd`
 and as `tree`, the cascades (vc, hc, vc+hc, tree+vc), dytc, dytc with each of its sources left out in turn, dytc with
 constant costs instead of the latency predictor (`dytc~const`), dytc without its AR fallback (`dytc~nofallback`),
-and vc and dytc over the other statistical bottoms (`vc~maxgram`, `vc~both`, `dytc~maxgram`, `dytc~both`). Every
+and vc and dytc over the other statistical bottoms (`vc~pld`, `vc~both`, `dytc~pld`, `dytc~both`). Every
 row answers every question (all turns, greedy); its answers and stats go to OUT/rows/ROW.json as soon as it
 finishes, and a rerun skips the rows already there (so the ratios of a resumed run mix two sessions:
 `results.json` records when each row ran). Then OUT gets results.md (the table), results.json
@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dsia.errors import CasspecError
-from dytc.sources import LOOKUPS
+from dytc.sources import BOTTOMS, DEFAULT_BOTTOM, LOOKUPS
 
 from .bench import BASELINE, Answer, Question, machine_line, make_runner, method_request, run_question, summarize
 from .engine import Engine
@@ -56,8 +56,9 @@ def default_rows(engine: Engine, cfg: AblateConfig = AblateConfig()) -> list[str
     rows = [BASELINE, "ar", "pld"] + [f"sd:{lv}" for lv in levels] + [f"tree:{lv}" for lv in levels]
     rows += ["vc", "hc", "vc+hc", "tree+vc", "dytc"]
     rows += ["dytc:" + "/".join(n for n in dytc if n != left) for left in dytc if len(dytc) > 1]
-    rows += ["dytc~nopld", "dytc~const", "dytc~nofallback"]
-    return rows + [f"{m}~{bottom}" for m in ("vc", "dytc") for bottom in ("maxgram", "both")]
+    rows += ["dytc~none", "dytc~const", "dytc~nofallback"]  # no statistical bottom, constant costs, no AR fallback
+    others = [b for b in BOTTOMS if b not in (DEFAULT_BOTTOM, "none")]
+    return rows + [f"{m}~{bottom}" for m in ("vc", "dytc") for bottom in others]
 
 
 def _file_name(row: str) -> str:

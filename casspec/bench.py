@@ -31,10 +31,9 @@ from .methods import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
 from .request import Request
 
 BASELINE = "hf-ar"
-# dytc ablations: `dytc~nopld` without any lookup, `dytc~const` with the latency predictor replaced by constant
-# costs (verification 1 step whatever its size, a draft forward 0.3 step), `dytc~nofallback` never verifying the root
-# alone
-DYTC_VARIANTS = {"nopld": {"bottom": "none"}, "const": {"router": RouterConfig(constant_cost=0.3)},
+# dytc ablations: `dytc~const` with the latency predictor replaced by constant costs (verification 1 step whatever
+# its size, a draft forward 0.3 step), `dytc~nofallback` never verifying the root alone
+DYTC_VARIANTS = {"const": {"router": RouterConfig(constant_cost=0.3)},
                  "nofallback": {"router": RouterConfig(fallback=False)}}
 # any method with lookups beneath its levels: `vc~maxgram`, `dytc~both`, ... (the bottom, see sources.BOTTOMS)
 BOTTOM_VARIANTS = {name: {"bottom": name} for name in BOTTOMS}

@@ -22,7 +22,8 @@ def test_default_rows_cover_the_ablation():
     rows = ab.default_rows(e)
     assert rows[0] == BASELINE and {"ar", "pld", "vc", "hc", "vc+hc", "dytc"} <= set(rows)
     assert "sd:exit4" in rows and "tree:int4" in rows and "sd:nf4" in rows  # exit after 80% of the 5 layers
-    assert {"dytc:int4", "dytc:int4+vocab", "dytc~nopld", "dytc~const", "dytc~nofallback"} <= set(rows)
+    assert {"dytc:int4", "dytc:int4+vocab", "dytc~none", "dytc~const", "dytc~nofallback"} <= set(rows)
+    assert {"vc~pld", "vc~both", "dytc~pld", "dytc~both"} <= set(rows)  # the bottoms other than the default
 
 
 def test_ablation_writes_results_resumes_and_fills_the_readme(tmp_path, monkeypatch):

@@ -44,12 +44,15 @@ def test_bench_on_tiny_model(tmp_path):
 
 def test_method_specs_with_variants():
     from casspec.bench import method_request
+    from dytc.sources import BOTTOMS, DEFAULT_BOTTOM
 
-    assert parse_methods("vc~maxgram,dytc~both,vc+hc~none,dytc~nopld") == [
-        BASELINE, "vc~maxgram", "dytc~both", "vc+hc~none", "dytc~nopld"]
+    (DEFAULT_LOOKUP,) = BOTTOMS[DEFAULT_BOTTOM]
+    assert parse_methods("vc~maxgram,dytc~both,vc+hc~none,dytc~pld") == [
+        BASELINE, "vc~maxgram", "dytc~both", "vc+hc~none", "dytc~pld"]
     assert method_request("vc~maxgram").lookups == ("maxgram",)
     assert method_request("dytc~both:int4").lookups == ("pld", "maxgram")
-    assert method_request("dytc~nopld").lookups == ()
+    assert method_request("dytc~none").lookups == ()
+    assert method_request("dytc").lookups == (DEFAULT_LOOKUP,)
     assert method_request("dytc~const").router.constant_cost is not None
     assert method_request("hc:int4*2/maxgram*3").levels == ("int4*2", "maxgram*3")
 

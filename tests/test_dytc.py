@@ -303,11 +303,15 @@ def test_maxgram_drafts_at_the_bottom_of_vc_and_dytc():
         for method in ("vc", "tree+vc", "vc+hc", "dytc"):
             r = e.generate_ids(prompt, Request(max_new_tokens=40, method=method, levels=(), bottom=bottom))
             assert r.token_ids == ar.token_ids, (method, bottom)
-        dytc = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", bottom=bottom))
+        # constant costs: a lookup's tokens cost nothing to attach, so the router's choice does not hang on timings
+        dytc = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", bottom=bottom,
+                                              router=RouterConfig(constant_cost=0.3)))
+        assert dytc.token_ids == ar.token_ids
         used = set(dytc.stats.policy["drafted_by_source"])
         assert {s.rstrip("!") for s in used} & {PLD, MAXGRAM} <= set(BOTTOMS[bottom])
         assert any(s.rstrip("!") == MAXGRAM for s in used) or bottom == "both"
-    none = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", bottom="none"))
+    none = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", bottom="none",
+                                          router=RouterConfig(constant_cost=0.3)))
     assert not {s.rstrip("!") for s in none.stats.policy["drafted_by_source"]} & {PLD, MAXGRAM}
 
 
@@ -327,6 +331,8 @@ def test_every_level_forward_feeds_the_latency_model(method):
     e = tiny_engine("llama", 3)
     assert not e.latency.known("int8")
     levels = ("int8*3", "pld*2") if method == "hc" else ("int8",) if method in ("vc", "dytc") else ()
-    r = e.generate_ids([5, 6, 7, 8, 5, 6], Request(max_new_tokens=20, method=method, level="int8", levels=levels))
+    constant = RouterConfig(constant_cost=0.3)  # dytc drafts whatever the timings
+    r = e.generate_ids([5, 6, 7, 8, 5, 6], Request(max_new_tokens=20, method=method, level="int8", levels=levels,
+                                                   router=constant))
     assert r.stats.draft_forwards > 0
     assert e.latency.known("int8")

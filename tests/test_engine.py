@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from casspec.engine import Request
+from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 from tiny import ARCHS, KERNELS, tiny_engine
 
@@ -136,7 +137,9 @@ def test_engine_without_profile_fits_latency_online():
 
 def test_stats_split_draft_time_into_level_forwards_and_policy_overhead():
     e = tiny_engine("llama", 0)
-    r = e.generate_ids([5, 6, 7, 8, 5, 6, 7], Request(max_new_tokens=24, method="dytc", levels=("int8",)))
+    constant = RouterConfig(constant_cost=0.3)  # drafts whatever the timings
+    r = e.generate_ids([5, 6, 7, 8, 5, 6, 7], Request(max_new_tokens=24, method="dytc", levels=("int8",),
+                                                      router=constant))
     st = r.stats
     assert st.draft_forwards > 0 and 0 < st.draft_forward_seconds <= st.draft_seconds
     assert st.policy_ms_per_step == pytest.approx(

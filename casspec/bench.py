@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dsia.errors import CasspecError
 from dsia.levels import LevelConfig
-from dytc.latency import cpu_flags, machine_info
+from dytc.latency import machine_info
 from dytc.ngram import PLD_NUM_TOKENS
 from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
@@ -29,6 +29,7 @@ from dytc.sources import BOTTOMS
 from .engine import Engine
 from .methods import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
 from .request import Request
+from .stats import policy_ms_per_step
 
 BASELINE = "hf-ar"
 # dytc ablations: `dytc~const` with the latency predictor replaced by constant costs (verification 1 step whatever
@@ -262,8 +263,8 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
             "target_forwards": forwards,
         }
         methods[name].update(_engine_stats(ans))
-    machine = dict(machine_info(engine.device.type), cpu_flags=cpu_flags())
-    return {"model": engine.name, "device": str(engine.device), "machine": machine, "dtype": dtype,
+    return {"model": engine.name, "device": str(engine.device), "machine": machine_info(engine.device.type),
+            "dtype": dtype,
             "max_new_tokens": max_new_tokens,
             "sampling": vars(sampling), "baseline": BASELINE, "methods": methods}
 
@@ -284,7 +285,7 @@ def _engine_stats(ans: list[Answer]) -> dict:
     out["acceptance_by_depth"] = [r / steps for r in reached] if steps else []
     out["mean_tree_nodes"] = out["tree_nodes"] / steps if steps else 0.0
     if "draft_forward_seconds" in out and steps:
-        out["policy_ms_per_step"] = (out["draft_seconds"] - out["draft_forward_seconds"]) * 1e3 / steps
+        out["policy_ms_per_step"] = policy_ms_per_step(out["draft_seconds"], out["draft_forward_seconds"], steps)
     reports = [st["policy"] for st in turns if st.get("policy")]
     if reports:  # dytc: fallbacks, tokens and acceptance per source, predicted vs measured draft time
         pol: dict = {k: sum(r[k] for r in reports) for k in ("steps", "fallback_steps", "predicted_draft_ms",

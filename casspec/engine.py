@@ -36,8 +36,9 @@ class Engine:
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
-        dense, self.kernels = kernels_for(Transformer.from_hf(loaded.model), kernels)
-        self.model = Transformer.from_hf(loaded.model, dense)
+        model = Transformer.from_hf(loaded.model)
+        dense, self.kernels = kernels_for(model, kernels)
+        self.model = model.with_dense(dense)
         if max_context is not None and max_context < 2:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         self.cache: KVCache = self.model.new_cache(max_context)

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 
+def policy_ms_per_step(draft_seconds: float, draft_forward_seconds: float, steps: int) -> float:
+    """The drafting policy's own time per verification step, outside level forwards (planning, lookups,
+    bookkeeping); 0 without steps."""
+    return (draft_seconds - draft_forward_seconds) * 1e3 / steps if steps > 0 else 0.0
+
+
 @dataclass
 class Stats:
     method: str
@@ -63,10 +69,8 @@ class Stats:
 
     @property
     def policy_ms_per_step(self) -> float:
-        """The drafting policy's own time per verification step, outside level forwards (planning, lookups,
-        bookkeeping)."""
-        steps = self.target_forwards - 1
-        return (self.draft_seconds - self.draft_forward_seconds) * 1e3 / steps if steps > 0 else 0.0
+        """The drafting policy's own time per verification step, outside level forwards."""
+        return policy_ms_per_step(self.draft_seconds, self.draft_forward_seconds, self.target_forwards - 1)
 
     def as_dict(self) -> dict:
         d = dict(vars(self))

@@ -16,7 +16,7 @@ from pathlib import Path
 from dsia.errors import CasspecError
 from dsia.kernels import BUCKETS, DenseKernels, choose, measure
 from dsia.model import Transformer
-from dytc.latency import cpu_flags, machine_info
+from dytc.latency import machine_info
 
 from .loading import cache_root
 
@@ -32,7 +32,7 @@ def weight_shapes(model: Transformer) -> list[tuple[int, int]]:
 def tuning_key(model: Transformer) -> str:
     """Everything the fastest kernel depends on, as one string."""
     m = machine_info(model.device.type)
-    return json.dumps({"cpu": m["cpu"], "flags": cpu_flags(), "gpu": m["gpu"], "torch": m["torch"],
+    return json.dumps({"cpu": m["cpu"], "flags": m["cpu_flags"], "gpu": m["gpu"], "torch": m["torch"],
                        "threads": m["threads"], "dtype": str(model.dtype), "device": model.device.type,
                        "shapes": weight_shapes(model)}, sort_keys=True)
 

@@ -6,6 +6,7 @@ Batch size 1 throughout; shapes use T = tokens in this forward, D = hidden size,
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +86,11 @@ class Transformer:
     """The runtime: spec + references to the HF model's tensors + RoPE tables. Stateless across calls."""
 
     def __init__(self, spec: ModelSpec, embed: Tensor, layers: list[LayerWeights], norm: Tensor,
-                 lm_head: Tensor, inv_freq: Tensor, rope_scale: float, dense: DenseKernels | None = None) -> None:
+                 lm_head: Tensor, inv_freq: Tensor, rope_scale: float) -> None:
         self.spec = spec
-        # the dense product of every target linear and the head, per token count (None: oneDNN where it exists
-        # for the dtype, else BLAS; casspec.tune measures the fastest on this machine)
-        self.dense = dense if dense is not None else DenseKernels.default(embed.dtype, embed.device)
+        # the dense product of every target linear and the head, per token count: oneDNN where it exists for the
+        # dtype, else BLAS; `with_dense` gives a view running the fastest measured on this machine (casspec.tune)
+        self.dense = DenseKernels.default(embed.dtype, embed.device)
         self.embed = embed  # [V, D]
         self.layers = layers
         self.norm = norm  # [D]
@@ -109,9 +110,8 @@ class Transformer:
         return self.embed.device
 
     @staticmethod
-    def from_hf(model, dense: DenseKernels | None = None) -> "Transformer":
-        """Wrap a loaded HF `*ForCausalLM` (Llama family) without copying its weights; `dense`: the kernels of its
-        dense products (None: the default for its dtype and device)."""
+    def from_hf(model) -> "Transformer":
+        """Wrap a loaded HF `*ForCausalLM` (Llama family) without copying its weights."""
         spec = ModelSpec.from_hf_config(model.config)
         inner = model.model
         layers = []
@@ -130,8 +130,13 @@ class Transformer:
                 bias={n: p.bias.data for n, p in projs.items() if getattr(p, "bias", None) is not None}))
         rot = inner.rotary_emb
         return Transformer(spec, inner.embed_tokens.weight.data, layers, inner.norm.weight.data,
-                           model.lm_head.weight.data, rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)),
-                           dense)
+                           model.lm_head.weight.data, rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
+
+    def with_dense(self, dense: DenseKernels) -> "Transformer":
+        """The same weights and RoPE tables (nothing is copied), its dense products run by `dense`."""
+        other = copy.copy(self)
+        other.dense = dense
+        return other
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         s = self.spec

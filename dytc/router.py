@@ -194,6 +194,7 @@ class DyTC(Policy):
         for c in range(1, len(tree)):
             has_child[tree.parents[c]] = True
         best: Action | None = None
+        expected = step.expected  # E of the tree as it is (every action below is valued against it)
         seen = {True: 0, False: 0}  # expandable leaves / inner nodes (sibling offers) considered so far
         for n in sorted(range(len(tree)), key=lambda i: -step.nodes[i].p):
             node = step.nodes[n]
@@ -204,11 +205,11 @@ class DyTC(Policy):
                 node.proposals = {name: lk.propose_after(path, self.cfg.lookup_tokens)
                                   for name, lk in self.lookups.items()}
             considered = False
-            for act in self._level_actions(step, n, not has_child[n], n_max, max_depth):
+            for act in self._level_actions(step, expected, n, not has_child[n], n_max, max_depth):
                 considered = True
                 best = act if best is None or act.rate > best.rate else best
             if not has_child[n]:
-                for act in self._lookup_actions(step, n, n_max, max_depth):
+                for act in self._lookup_actions(step, expected, n, n_max, max_depth):
                     considered = True
                     best = act if best is None or act.rate > best.rate else best
             seen[has_child[n]] += considered
@@ -216,10 +217,11 @@ class DyTC(Policy):
                 break
         return best
 
-    def _level_actions(self, step: Step, n: int, leaf: bool, n_max: int, max_depth: int) -> Iterator[Action]:
+    def _level_actions(self, step: Step, expected: float, n: int, leaf: bool, n_max: int,
+                       max_depth: int) -> Iterator[Action]:
         """Each level extending node n by k tokens (module docstring): from its known distribution at n (no
         forward), or at a leaf by a forward over the pending path, optionally reviewing a lookup's proposal."""
-        node, N, expected = step.nodes[n], len(step.tree), step.expected
+        node, N = step.nodes[n], len(step.tree)
         limit = min(self.cfg.lookahead, n_max - N, max_depth - node.depth)
         for name in self.levels:
             cost_ms, accept = step.level_ms[name], self.tracker.mean(name)
@@ -256,9 +258,9 @@ class DyTC(Policy):
                 variants.append((r, lookup, 1.0 + reviewed, accept, cost_ms[min(pending + r, len(cost_ms) - 1)]))
         return variants
 
-    def _lookup_actions(self, step: Step, n: int, n_max: int, max_depth: int) -> Iterator[Action]:
+    def _lookup_actions(self, step: Step, expected: float, n: int, n_max: int, max_depth: int) -> Iterator[Action]:
         """Each lookup's proposal at leaf n attached k tokens deep: no forward, only a larger verification."""
-        node, N, expected = step.nodes[n], len(step.tree), step.expected
+        node, N = step.nodes[n], len(step.tree)
         for lookup, (tokens, match) in (node.proposals or {}).items():
             accept = self.tracker.estimate(lookup, match)
             gain, prob = 0.0, node.p

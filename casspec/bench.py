@@ -11,6 +11,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -39,7 +40,10 @@ DYTC_VARIANTS = {"const": {"router": RouterConfig(constant_cost=0.3)},
 # any method with lookups beneath its levels: `vc~maxgram`, `dytc~both`, ... (the bottom, see sources.BOTTOMS)
 BOTTOM_VARIANTS = {name: {"bottom": name} for name in BOTTOMS}
 SAMPLING_SEED = 0  # seed of every sampled generation (so that repeats reproduce their tokens)
-HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": PLD_NUM_TOKENS}}  # HF generate kwargs per method
+HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": PLD_NUM_TOKENS},  # HF generate kwargs per method
+              "hf-ar-compiled": {}}  # over a static cache of the engine's context size, which HF's generate
+# compiles (torch.compile, mode "reduce-overhead": CUDA graphs) on a GPU, the fastest HF setup there (GPU only)
+HF_COMPILED = "hf-ar-compiled"
 BENCH_METHODS = tuple(HF_METHODS) + METHODS
 
 
@@ -160,8 +164,13 @@ STAT_SUMS = ("prefill_seconds", "draft_seconds", "draft_forward_seconds", "verif
              "draft_forwards", "tree_nodes")
 
 
-def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams) -> TurnFn:
+def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams, static_cache: bool = False) -> TurnFn:
     model = engine.hf_model
+    cache = None
+    if static_cache:  # one cache for every turn: a fixed shape, so HF compiles its step once
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=engine.cache.capacity)
     calls = [0]
     model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     eos = sorted(engine.eos_ids)
@@ -175,8 +184,15 @@ def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams) -> TurnFn
         x = torch.tensor([ids], device=engine.device)
         calls[0] = 0
         torch.manual_seed(SAMPLING_SEED)
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=eos[0], **decoding, **kwargs)
+        extra = dict(kwargs)
+        if cache is not None:
+            cache.reset()
+            extra["past_key_values"] = cache
+            max_new_tokens = min(max_new_tokens, engine.cache.capacity - len(ids))
+        with warnings.catch_warnings():  # (newer transformers name the argument `cache`; both accept this one)
+            warnings.simplefilter("ignore", FutureWarning)
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=eos[0], **decoding, **extra)
         return out[0, len(ids):].tolist(), calls[0], {}
 
     return run
@@ -196,8 +212,10 @@ def _engine_runner(engine: Engine, method: str, level: str, sampling: SamplingPa
 def make_runner(engine: Engine, method: str, level: str = "int4",
                 sampling: SamplingParams = SamplingParams()) -> TurnFn:
     """A turn runner for a bench method spec (HF baselines or engine methods, see method_request)."""
+    if method == HF_COMPILED and engine.device.type != "cuda":
+        raise CasspecError(f"{HF_COMPILED} needs --device cuda: HF compiles its generation step only on a GPU")
     if method in HF_METHODS:
-        return _hf_runner(engine, HF_METHODS[method], sampling)
+        return _hf_runner(engine, HF_METHODS[method], sampling, static_cache=method == HF_COMPILED)
     return _engine_runner(engine, method, level, sampling)
 
 

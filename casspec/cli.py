@@ -27,6 +27,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None, help="cap the context window (tokens)")
     p.add_argument("--kernels", default="auto", choices=["auto", *KERNELS], help="the target's dense products: "
                    "auto (the fastest on this machine, measured once and cached) or one kernel forced")
+    p.add_argument("--no-graphs", action="store_true", help="on a GPU, run every forward eagerly instead of "
+                   "replaying CUDA graphs of the small ones")
 
 
 def _engine(args: argparse.Namespace):
@@ -34,7 +36,7 @@ def _engine(args: argparse.Namespace):
     from .engine import Engine
 
     return Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context,
-                                  kernels=args.kernels)
+                                  kernels=args.kernels, graphs=False if args.no_graphs else None)
 
 
 def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL file") -> None:
@@ -132,12 +134,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from dsia.model import Transformer
 
     from .loading import load
-    from .tune import format_tuning, tuned_kernels
+    from .tune import floor_ms, format_tuning, read_gbs, tuned_kernels
 
     model = Transformer.from_hf(load(args.model, args.dtype, args.device).model)
     kernels, rec = tuned_kernels(model, refresh=args.refresh)
     print(format_tuning(rec))
     print(f"chosen: {kernels.describe()} ({rec['source']}, {rec['created']})")
+    gbs = read_gbs(model.device)
+    mb = model.weight_bytes() / 1e6
+    print(f"memory-bandwidth floor of a target step: {floor_ms(model, gbs):.2f} ms ({mb:.0f} MB of weights at "
+          f"{gbs:.1f} GB/s streaming read)")
     return 0
 
 

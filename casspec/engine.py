@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 import torch
 
 from dsia.errors import CasspecError
+from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
 from dsia.model import Transformer
@@ -30,18 +31,24 @@ from .tune import kernels_for
 
 
 class Engine:
-    def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto") -> None:
+    def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
+                 graphs: bool | None = None) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
-        every token count ("blas" | "onednn")."""
+        every token count ("blas" | "onednn"). graphs: replay small forwards from CUDA graphs (default: on a GPU;
+        without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do)."""
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
         model = Transformer.from_hf(loaded.model)
         dense, self.kernels = kernels_for(model, kernels)
-        self.model = model.with_dense(dense)
+        model = model.with_dense(dense)
         if max_context is not None and max_context < 2:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
-        self.cache: KVCache = self.model.new_cache(max_context)
+        if graphs is None:
+            graphs = model.device.type == "cuda"
+        self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
+        self.graphs = Graphs(model, self.cache) if graphs else None
+        self.model = model.with_graphs(self.graphs)
         self.eos_ids = self._eos_ids()
         self.levels = LevelRegistry(self.model)  # draft levels, built on first use and reused
         self.latency, self.latency_source = self._latency_model()
@@ -51,9 +58,9 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_context: int | None = None,
-                        kernels: str = "auto") -> "Engine":
+                        kernels: str = "auto", graphs: bool | None = None) -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file."""
-        return cls(load(model, dtype, device), max_context, kernels)
+        return cls(load(model, dtype, device), max_context, kernels, graphs)
 
     @property
     def device(self) -> torch.device:
@@ -180,6 +187,8 @@ class Engine:
             text = self.decode(out)
         stats.new_tokens = len(out)
         stats.seconds = time.perf_counter() - t0
+        if self.graphs is not None:
+            stats.kernels += f"; {self.graphs.stats}"
         if not stats.finish_reason:
             stats.finish_reason = "context"
         self.last_result = Result(text=text, token_ids=out, stats=stats)
@@ -247,6 +256,8 @@ class Engine:
         logits = self.model.forward(cache, torch.tensor(tree.tokens, device=dev),
                                     position_ids(tree.parents, cache.length, dev), cache.length,
                                     None if chain else ancestor_mask(tree.parents, dev))  # [N, V]
+        if logits.is_cuda:
+            torch.cuda.synchronize(dev)
         self.latency.observe(TARGET_LEVEL, len(tree), cache.length, (time.perf_counter() - t0) * 1e3, not chain)
         return logits
 

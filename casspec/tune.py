@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from dsia.errors import CasspecError
 from dsia.kernels import BUCKETS, DenseKernels, choose, measure
 from dsia.model import Transformer
@@ -86,6 +88,26 @@ def format_tuning(rec: dict) -> str:
         cells = [f"{timings[k][j]:.3f}" for k in timings]
         lines.append(f"| {top} | " + " | ".join(cells) + f" | {rec['names'][j]} |")
     return "\n".join(lines)
+
+
+def read_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The machine's streaming read bandwidth (GB/s): a reduction over an `nbytes` buffer (the best of `repeats`)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run pays page faults and lazy initialisation
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        buf.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def floor_ms(model: Transformer, gbs: float) -> float:
+    """The memory-bandwidth floor of one target step: its weights' bytes read once at `gbs` GB/s."""
+    return model.weight_bytes() / (gbs * 1e9) * 1e3
 
 
 def kernels_for(model: Transformer, choice: str) -> tuple[DenseKernels, str]:

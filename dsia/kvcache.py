@@ -3,6 +3,7 @@
 Slots [0, length) hold the committed prefix (always written by the target). Slots [length, capacity) are
 scratch: draft and verification forwards write their tokens there. Committing an accepted path gathers its
 scratch slots into the next committed slots; rollback moves the length. Nothing is allocated per step.
+`spare` slots past the capacity take the writes of padding rows (a CUDA graph run over more rows than tokens).
 """
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from torch import Tensor
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (n_layers, n_kv_heads, capacity, head_dim)
+                 dtype: torch.dtype, device: torch.device | str = "cpu", spare: int = 0) -> None:
+        shape = (n_layers, n_kv_heads, capacity + spare, head_dim)
         # allocated once, zeroed lazily: slots up to `zeroed` hold finite values (a masked-out slot still enters
         # the attention matmul, and 0 * NaN would poison it); untouched pages cost no memory
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
-        self.v = torch.empty(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
-        self.capacity = capacity
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity + spare, head_dim]
+        self.v = torch.empty(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity + spare, head_dim]
+        self.capacity = capacity  # slots tokens can use
+        self.spare = spare  # slots [capacity, capacity + spare): padding rows write there, nothing reads them
         self.length = 0  # committed tokens
         self.zeroed = 0  # slots [0, zeroed) have been initialised
 
@@ -30,6 +32,12 @@ class KVCache:
             self.v[:, :, self.zeroed:end].zero_()
             self.zeroed = end
 
+    def zero_all(self) -> None:
+        """Initialise every slot, spare ones included (before attention over all slots, as a CUDA graph runs)."""
+        self.k.zero_()
+        self.v.zero_()
+        self.zeroed = self.capacity
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -40,6 +48,11 @@ class KVCache:
         assert self.length <= start and end <= self.capacity, (start, end, self.length, self.capacity)
         self.k[layer, :, start:end] = k
         self.v[layer, :, start:end] = v
+
+    def write_slots(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [kv_heads, T, head_dim] into the slots given as a tensor [T] (no host sync: capturable)."""
+        self.k[layer].index_copy_(1, slots, k)
+        self.v[layer].index_copy_(1, slots, v)
 
     def read(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
         """Views of slots [0, end): ([kv_heads, end, head_dim], [kv_heads, end, head_dim])."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from .errors import CasspecError
 from .kernels import DenseKernels
 from .kvcache import KVCache
 from .plan import TARGET, Plan
+
+if TYPE_CHECKING:
+    from .graphs import Graphs
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -69,6 +73,18 @@ class LayerWeights:
     bias: dict[str, Tensor]  # projection name -> bias [out], only where the checkpoint has one (Qwen2: q, k, v)
 
 
+@dataclass(frozen=True)
+class KvAccess:
+    """Where a forward writes its K/V and what it attends to: slots [start, end) with an SDPA mask over slots
+    [0, end) (None: all of them, causal when is_causal); or, for a CUDA graph, the slots given as a tensor with a
+    mask over every slot of the cache."""
+    start: int = 0  # first slot written (a contiguous run)
+    end: int = 0  # one past the last slot written and read
+    slots: Tensor | None = None  # [T] the slots written, in place of [start, end)
+    mask: Tensor | None = None  # [T, end] or [T, capacity + spare] bool
+    is_causal: bool = False  # plain causal prefill at slot 0
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim, computed in float32 as HF does, then scaled in the input dtype."""
     dtype = x.dtype
@@ -91,6 +107,7 @@ class Transformer:
         # the dense product of every target linear and the head, per token count: oneDNN where it exists for the
         # dtype, else BLAS; `with_dense` gives a view running the fastest measured on this machine (casspec.tune)
         self.dense = DenseKernels.default(embed.dtype, embed.device)
+        self.graphs: Graphs | None = None  # CUDA graphs of small forwards (`with_graphs`); None runs eagerly
         self.embed = embed  # [V, D]
         self.layers = layers
         self.norm = norm  # [D]
@@ -138,10 +155,16 @@ class Transformer:
         other.dense = dense
         return other
 
-    def new_cache(self, capacity: int | None = None) -> KVCache:
+    def with_graphs(self, graphs: Graphs | None) -> "Transformer":
+        """The same weights, small forwards on graphs' cache replayed from CUDA graphs (None: eager)."""
+        other = copy.copy(self)
+        other.graphs = graphs
+        return other
+
+    def new_cache(self, capacity: int | None = None, spare: int = 0) -> KVCache:
         s = self.spec
         cap = min(capacity or s.max_context, s.max_context)
-        return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, cap, self.dtype, self.device)
+        return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, cap, self.dtype, self.device, spare)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one full target forward reads."""
@@ -170,22 +193,39 @@ class Transformer:
         visible_prefix: only committed slots [0, visible_prefix) are visible (default: all of them); used to
             re-score already committed tokens teacher-forced in scratch (e.g. the skip-set search).
         """
-        s = self.spec
         T = tokens.shape[0]
         end = start + T
         if end > cache.capacity:
             raise CasspecError(f"context window full ({cache.capacity} tokens); shorten the prompt or the output")
+        if self.graphs is not None and visible_prefix is None:  # a captured CUDA graph, where one fits
+            logits = self.graphs.run(cache, tokens, positions, start, scratch_mask, plan, logits_rows)
+            if logits is not None:
+                return logits
         cache.reserve(end)
         mask = self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
-        is_causal = mask is None and T > 1  # only when start == 0: plain causal prefill
+        kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1)  # causal: prefill at 0
+        return self._layers(cache, tokens, positions, kv, plan, logits_rows)
+
+    def forward_slots(self, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
+                      plan: Plan = TARGET) -> Tensor:
+        """Run T tokens written to the given cache slots, each attending to the slots its mask row allows.
+
+        tokens, positions, slots: [T]; mask: [T, capacity + spare] bool over every slot of the cache (which must
+        be zeroed, `KVCache.zero_all`). Returns logits [T, V] in float32. No host sync and no shape that depends
+        on a value: the body of a CUDA graph (dsia.graphs)."""
+        return self._layers(cache, tokens, positions, KvAccess(slots=slots, mask=mask), plan, None)
+
+    def _layers(self, cache: KVCache, tokens: Tensor, positions: Tensor, kv: KvAccess, plan: Plan,
+                logits_rows: Tensor | slice | None) -> Tensor:
+        """Embedding, the plan's layers, final norm and head: logits [N, V] in float32."""
+        s = self.spec
         cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
         x = F.embedding(tokens, self.embed)  # [T, D]
         n_layers = s.n_layers if plan.exit_after is None else plan.exit_after
         for i in range(n_layers):
             lw = self.layers[i]
             if i not in plan.skip_attn:
-                x = x + self._attention(i, lw, rms_norm(x, lw.attn_norm, s.norm_eps), cache, start, end,
-                                        cos, sin, mask, is_causal, plan)
+                x = x + self._attention(i, lw, rms_norm(x, lw.attn_norm, s.norm_eps), cache, kv, cos, sin, plan)
             if i not in plan.skip_mlp:
                 h = rms_norm(x, lw.mlp_norm, s.norm_eps)
                 mlp = plan.mlps.get(i)
@@ -220,8 +260,8 @@ class Transformer:
             return y if b is None else y + b
         return self.dense(x, w, b)
 
-    def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, start: int, end: int,
-                   cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool, plan: Plan) -> Tensor:
+    def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, kv: KvAccess, cos: Tensor,
+                   sin: Tensor, plan: Plan) -> Tensor:
         s = self.spec
         T = x.shape[0]
         qkv = plan.fused.get((i, "qkv")) if plan.fused else None
@@ -242,10 +282,14 @@ class Transformer:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H|Hkv, T, hd]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        cache.write(i, start, k, v)
-        keys, values = cache.read(i, end)  # [Hkv, end, hd]
-        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
-                                           is_causal=is_causal, enable_gqa=s.n_heads != s.n_kv_heads)  # [1, H, T, hd]
+        if kv.slots is None:
+            cache.write(i, kv.start, k, v)
+            keys, values = cache.read(i, kv.end)  # [Hkv, end, hd]
+        else:
+            cache.write_slots(i, kv.slots, k, v)
+            keys, values = cache.k[i], cache.v[i]  # [Hkv, capacity + spare, hd]
+        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=kv.mask,
+                                           is_causal=kv.is_causal, enable_gqa=s.n_heads != s.n_kv_heads)  # [1,H,T,hd]
         o = o[0].transpose(0, 1).reshape(T, s.n_heads * s.head_dim)  # [T, H*hd]
         return self._linear(i, "o", o, lw.wo, plan)
 

@@ -65,3 +65,20 @@ def test_per_category_takes_the_first_questions_of_every_category(tmp_path):
     assert [q.question_id for q in read_questions(qfile, per_category=2)] == [0, 1, 2, 3, 4]
     assert [q.question_id for q in read_questions(qfile, per_category=1)] == [0, 1, 3]
     assert [q.question_id for q in read_questions(qfile, limit=3, per_category=1)] == [0, 1]
+
+
+def test_hf_static_cache_baseline_matches_hf_ar_and_needs_a_gpu():
+    import pytest
+
+    from casspec.bench import _hf_runner, make_runner
+    from dsia.errors import CasspecError
+    from dytc.sampling import SamplingParams
+
+    engine = tiny_engine("llama", 0, max_context=64)
+    if engine.device.type != "cuda":
+        with pytest.raises(CasspecError, match="needs --device cuda"):
+            make_runner(engine, "hf-ar-compiled")
+    plain = make_runner(engine, BASELINE)
+    static = _hf_runner(engine, {}, SamplingParams(), static_cache=True)  # (compiled by HF on a GPU only)
+    for ids in ([5, 6, 7], [8, 9, 10, 11, 12, 13]):  # the one cache is reset between turns
+        assert static(ids, 20)[0] == plain(ids, 20)[0]

@@ -39,3 +39,19 @@ def test_greedy_methods_equal_ar_on_cuda(method, level):
         Request(max_new_tokens=30, method=method)  # multi-level methods: their GPU default levels
     spec = e.generate_ids(prompt, req)
     assert spec.token_ids == ar.token_ids
+
+
+def test_cuda_graphs_replay_the_eager_tokens():
+    """Small forwards replayed from CUDA graphs (the default on a GPU) give eager decoding's tokens (float32)."""
+    hf = tiny_model("qwen2", seed=2).cuda()
+    eager = Engine(Loaded(hf, tiny_tokenizer(), "tiny-cuda"), graphs=False)
+    graphed = Engine(Loaded(hf, tiny_tokenizer(), "tiny-cuda"))
+    assert graphed.graphs is not None and eager.graphs is None
+    prompt = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7]
+    ar = eager.generate_ids(prompt, Request(max_new_tokens=40))
+    for req in (Request(max_new_tokens=40), Request(max_new_tokens=40, method="sd", level="skip0.3"),
+                Request(max_new_tokens=40, method="tree", level="exit2"), Request(max_new_tokens=40, method="dytc"),
+                Request(max_new_tokens=40, method="vc")):
+        assert graphed.generate_ids(prompt, req).token_ids == ar.token_ids, req.method
+    st = graphed.graphs.stats
+    assert st.captures > 0 and st.replays > st.captures and st.failed == 0, str(st)

@@ -61,14 +61,16 @@ KERNELS = ("blas", "onednn") if "onednn" in candidates(torch.float32, "cpu") els
 # exactness tests: each must give the target's tokens
 
 
-def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = None, kernels: str = "blas", **kw):
-    """An Engine over a tiny random model (no files). Prompts are strings of words 'w5 w17 ...'."""
+def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = None, kernels: str = "blas",
+                graphs: bool | None = None, **kw):
+    """An Engine over a tiny random model (no files). Prompts are strings of words 'w5 w17 ...'. graphs=True on the
+    CPU runs the CUDA graphs' static-shape forwards eagerly."""
     from casspec.engine import Engine
     from casspec.loading import Loaded
 
     model = tiny_model(arch, seed, **kw)
     return Engine(Loaded(model, tiny_tokenizer(model.config.vocab_size), f"tiny-{arch}"), max_context=max_context,
-                  kernels=kernels)
+                  kernels=kernels, graphs=graphs)
 
 
 def chi2_p(observed: list[float], expected: list[float]) -> float:

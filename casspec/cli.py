@@ -29,6 +29,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "auto (the fastest on this machine, measured once and cached) or one kernel forced")
     p.add_argument("--no-graphs", action="store_true", help="on a GPU, run every forward eagerly instead of "
                    "replaying CUDA graphs of the small ones")
+    p.add_argument("--no-compile", action="store_true", help="on a GPU, run the elementwise steps eagerly "
+                   "instead of compiling each into one kernel (torch.compile)")
 
 
 def _engine(args: argparse.Namespace):
@@ -36,7 +38,8 @@ def _engine(args: argparse.Namespace):
     from .engine import Engine
 
     return Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context,
-                                  kernels=args.kernels, graphs=False if args.no_graphs else None)
+                                  kernels=args.kernels, graphs=False if args.no_graphs else None,
+                                  compile_pointwise=False if args.no_compile else None)
 
 
 def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL file") -> None:

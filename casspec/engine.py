@@ -16,7 +16,7 @@ from dsia.errors import CasspecError
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
-from dsia.model import Transformer
+from dsia.model import Transformer, compiled_pointwise
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, select_profile
 from dytc.policies import DraftContext
 from dytc.sampling import SamplingParams, warp
@@ -32,16 +32,19 @@ from .tune import kernels_for
 
 class Engine:
     def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
-                 graphs: bool | None = None) -> None:
+                 graphs: bool | None = None, compile_pointwise: bool | None = None) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
         every token count ("blas" | "onednn"). graphs: replay small forwards from CUDA graphs (default: on a GPU;
-        without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do)."""
+        without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do). compile_pointwise: one
+        compiled kernel per elementwise step (norms, RoPE, the MLP's activation; default: on a GPU)."""
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
         model = Transformer.from_hf(loaded.model)
         dense, self.kernels = kernels_for(model, kernels)
         model = model.with_dense(dense)
+        if model.device.type == "cuda" if compile_pointwise is None else compile_pointwise:
+            model = model.with_pointwise(compiled_pointwise())
         if max_context is not None and max_context < 2:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         if graphs is None:
@@ -58,9 +61,10 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_context: int | None = None,
-                        kernels: str = "auto", graphs: bool | None = None) -> "Engine":
+                        kernels: str = "auto", graphs: bool | None = None,
+                        compile_pointwise: bool | None = None) -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file."""
-        return cls(load(model, dtype, device), max_context, kernels, graphs)
+        return cls(load(model, dtype, device), max_context, kernels, graphs, compile_pointwise)
 
     @property
     def device(self) -> torch.device:

@@ -7,8 +7,9 @@ Batch size 1 throughout; shapes use T = tokens in this forward, D = hidden size,
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,35 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding of x [heads, T, hd] with the tables of its positions, cos and sin [T, hd]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """The gated MLP's activation: silu(gate) * up, [T, I]."""
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """The forward's elementwise steps. Eagerly each is several kernels (an RMSNorm is eight); on a GPU, where a
+    small model's step is its kernel launches, `compiled_pointwise` makes each one kernel."""
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    rope: Callable[[Tensor, Tensor, Tensor], Tensor]
+    silu_mul: Callable[[Tensor, Tensor], Tensor]
+
+
+EAGER = Pointwise(rms_norm, rope, silu_mul)
+
+
+@functools.cache
+def compiled_pointwise() -> Pointwise:
+    """The elementwise steps compiled by torch.compile (Inductor; shapes dynamic, so compiled once each)."""
+    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    return Pointwise(compile_(rms_norm), compile_(rope), compile_(silu_mul))
+
+
 class Transformer:
     """The runtime: spec + references to the HF model's tensors + RoPE tables. Stateless across calls."""
 
@@ -108,6 +138,7 @@ class Transformer:
         # dtype, else BLAS; `with_dense` gives a view running the fastest measured on this machine (casspec.tune)
         self.dense = DenseKernels.default(embed.dtype, embed.device)
         self.graphs: Graphs | None = None  # CUDA graphs of small forwards (`with_graphs`); None runs eagerly
+        self.pointwise = EAGER  # the elementwise steps (`with_pointwise`: compiled ones on a GPU)
         self.embed = embed  # [V, D]
         self.layers = layers
         self.norm = norm  # [D]
@@ -159,6 +190,12 @@ class Transformer:
         """The same weights, small forwards on graphs' cache replayed from CUDA graphs (None: eager)."""
         other = copy.copy(self)
         other.graphs = graphs
+        return other
+
+    def with_pointwise(self, pointwise: Pointwise) -> "Transformer":
+        """The same weights, the elementwise steps run by `pointwise`."""
+        other = copy.copy(self)
+        other.pointwise = pointwise
         return other
 
     def new_cache(self, capacity: int | None = None, spare: int = 0) -> KVCache:
@@ -218,21 +255,21 @@ class Transformer:
     def _layers(self, cache: KVCache, tokens: Tensor, positions: Tensor, kv: KvAccess, plan: Plan,
                 logits_rows: Tensor | slice | None) -> Tensor:
         """Embedding, the plan's layers, final norm and head: logits [N, V] in float32."""
-        s = self.spec
+        s, norm = self.spec, self.pointwise.rms_norm
         cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
         x = F.embedding(tokens, self.embed)  # [T, D]
         n_layers = s.n_layers if plan.exit_after is None else plan.exit_after
         for i in range(n_layers):
             lw = self.layers[i]
             if i not in plan.skip_attn:
-                x = x + self._attention(i, lw, rms_norm(x, lw.attn_norm, s.norm_eps), cache, kv, cos, sin, plan)
+                x = x + self._attention(i, lw, norm(x, lw.attn_norm, s.norm_eps), cache, kv, cos, sin, plan)
             if i not in plan.skip_mlp:
-                h = rms_norm(x, lw.mlp_norm, s.norm_eps)
+                h = norm(x, lw.mlp_norm, s.norm_eps)
                 mlp = plan.mlps.get(i)
                 x = x + (mlp(h) if mlp is not None else self._mlp(i, lw, h, plan))
         if logits_rows is not None:
             x = x[logits_rows]
-        h = rms_norm(x, self.norm, s.norm_eps)  # [N, D]
+        h = norm(x, self.norm, s.norm_eps)  # [N, D]
         logits = plan.head(h) if plan.head is not None else self.dense(h, self.lm_head)
         return logits.float()  # [N, V]
 
@@ -277,11 +314,11 @@ class Transformer:
         k = k.reshape(T, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
         v = v.reshape(T, s.n_kv_heads, s.head_dim)  # [T, Hkv, hd]
         if lw.q_norm is not None:
-            q = rms_norm(q, lw.q_norm, s.norm_eps)
-            k = rms_norm(k, lw.k_norm, s.norm_eps)
+            q = self.pointwise.rms_norm(q, lw.q_norm, s.norm_eps)
+            k = self.pointwise.rms_norm(k, lw.k_norm, s.norm_eps)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H|Hkv, T, hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = self.pointwise.rope(q, cos, sin)
+        k = self.pointwise.rope(k, cos, sin)
         if kv.slots is None:
             cache.write(i, kv.start, k, v)
             keys, values = cache.read(i, kv.end)  # [Hkv, end, hd]
@@ -300,4 +337,4 @@ class Transformer:
         else:
             gate = self._linear(i, "gate", x, lw.w_gate, plan)  # [T, I]
             up = self._linear(i, "up", x, lw.w_up, plan)  # [T, I]
-        return self._linear(i, "down", F.silu(gate) * up, lw.w_down, plan)  # [T, D]
+        return self._linear(i, "down", self.pointwise.silu_mul(gate, up), lw.w_down, plan)  # [T, D]

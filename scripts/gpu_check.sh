@@ -27,7 +27,7 @@ elif [ "$part" = bench ]; then
             --methods "$1" --out /tmp/casspec-bench "${@:2}" 2>&1
     }
     # without the compiled HF baseline if compiling fails on this machine (say so in the note)
-    bench hf-ar,hf-ar-compiled,ar,sd:skip0.4,vc,hc,dytc "$@" || bench hf-ar,ar,sd:skip0.4,vc,hc,dytc "$@"
+    bench hf-ar,hf-ar-compiled,ar,sd:skip0.4,vc,hc,dytc,dytc~both "$@" || bench hf-ar,ar,sd:skip0.4,vc,hc,dytc,dytc~both "$@"
     cp /tmp/casspec-bench/summary.json "$out/"  # (the answers in one archive: few files come back)
     tar czf "$out/answers.tgz" -C /tmp casspec-bench
 else

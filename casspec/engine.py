@@ -256,13 +256,14 @@ class Engine:
         Returns logits [N, V]."""
         cache, dev = self.cache, self.device
         chain = is_chain(tree.parents)
-        t0 = time.perf_counter()
+        captures, t0 = self.model.graph_captures, time.perf_counter()
         logits = self.model.forward(cache, torch.tensor(tree.tokens, device=dev),
                                     position_ids(tree.parents, cache.length, dev), cache.length,
                                     None if chain else ancestor_mask(tree.parents, dev))  # [N, V]
         if logits.is_cuda:
             torch.cuda.synchronize(dev)
-        self.latency.observe(TARGET_LEVEL, len(tree), cache.length, (time.perf_counter() - t0) * 1e3, not chain)
+        if self.model.graph_captures == captures:  # (a forward that captured a graph is no sample of its cost)
+            self.latency.observe(TARGET_LEVEL, len(tree), cache.length, (time.perf_counter() - t0) * 1e3, not chain)
         return logits
 
     def _predicted_verify_ms(self, tree: DraftTree) -> float:

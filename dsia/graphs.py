@@ -10,10 +10,11 @@ context length: the same graph serves every step.
 
 Graphs are keyed by what a plan does (its skipped sublayers, exit and kernels), not by the Plan object, so a plan
 rebuilt with the same content (a skip set being searched) replays the same graph. A (plan, bucket) is captured at
-its CAPTURE_AFTER-th use and at most MAX_GRAPHS are held; beyond that, forwards run eagerly. Plans whose kernels
-read Python state that changes between calls (the reduced-vocabulary head grows its subset; sparse MLPs calibrate
-thresholds per prompt) are not captured at all. Without CUDA (the tests) the body runs eagerly over the same static
-buffers, which checks everything but the capture itself.
+its CAPTURE_AFTER-th use and at most MAX_GRAPHS are held; beyond that, forwards run eagerly. A forward that
+captured is no sample of its cost (`Transformer.graph_captures`): the latency model does not learn from it. Plans
+whose kernels read Python state that changes between calls (the reduced-vocabulary head grows its subset; sparse
+MLPs calibrate thresholds per prompt) are not captured at all. Without CUDA (the tests) the body runs eagerly over
+the same static buffers, which checks everything but the capture itself.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from .model import Transformer
 from .plan import Plan
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # token counts graphs are captured for; a longer forward (prefill) runs eagerly
-CAPTURE_AFTER = 2  # a (plan, bucket) is captured at its second use
+CAPTURE_AFTER = 1  # a (plan, bucket) is captured at its first use (an eager first run costs ~10x a replay)
 MAX_GRAPHS = 48  # graphs held at most (each keeps its static buffers; intermediates share one pool)
 
 

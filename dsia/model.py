@@ -192,6 +192,12 @@ class Transformer:
         other.graphs = graphs
         return other
 
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (0 without graphs): a forward during which this grew paid for a capture,
+        so its time is no sample of the forward's cost."""
+        return self.graphs.stats.captures if self.graphs is not None else 0
+
     def with_pointwise(self, pointwise: Pointwise) -> "Transformer":
         """The same weights, the elementwise steps run by `pointwise`."""
         other = copy.copy(self)

@@ -61,8 +61,9 @@ class DraftContext:
                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         """The one way a policy runs a level: its logits [T, V] over `tokens` [T] at `positions` [T], written to
         scratch slots [start, start + T) (mask [T, start + T - cache.length]: which tree nodes each token sees;
-        None: causal), and the forward's milliseconds, which the latency model learns."""
-        t0 = time.perf_counter()
+        None: causal), and the forward's milliseconds, which the latency model learns (unless a CUDA graph was
+        captured during it)."""
+        captures, t0 = self.model.graph_captures, time.perf_counter()
         logits = level.forward(self.model, self.cache, torch.tensor(tokens, device=self.model.device), positions,
                                start, mask)  # [T, V]
         if logits.is_cuda:
@@ -70,7 +71,7 @@ class DraftContext:
         ms = (time.perf_counter() - t0) * 1e3
         self.draft_forwards += 1
         self.draft_ms += ms
-        if self.latency is not None:
+        if self.latency is not None and self.model.graph_captures == captures:
             self.latency.observe(level.name, len(tokens), start, ms, tree=mask is not None)
         return logits, ms
 

@@ -67,7 +67,7 @@ def test_graph_forward_equals_eager_forward(arch, parents, prefix, chain):
 def test_graphs_capture_on_second_use_and_skip_long_or_stateful_forwards():
     rt = Transformer.from_hf(tiny_model("llama", seed=1))
     cache = rt.new_cache(200, spare=BUCKETS[-1])
-    graphs = Graphs(rt, cache)
+    graphs = Graphs(rt, cache, capture_after=2)
     model = rt.with_graphs(graphs)
     model.forward(cache, torch.randint(3, 97, (70,)), torch.arange(70), 0)  # longer than the largest bucket
     cache.commit(list(range(70)))
@@ -102,3 +102,15 @@ def test_sampling_through_graph_forwards_equals_eager():
     req = Request(max_new_tokens=30, method="dytc", seed=7,
                   sampling=SamplingParams(0.8, 0, 0.9))
     assert graphed.generate_ids(PROMPT, req).token_ids == eager.generate_ids(PROMPT, req).token_ids
+
+
+def test_the_latency_model_does_not_learn_from_forwards_that_captured_a_graph():
+    from dytc.latency import TARGET_LEVEL
+
+    e = tiny_engine("llama", seed=5, graphs=True)
+    fits = e.latency.levels
+    before = fits[TARGET_LEVEL].n if TARGET_LEVEL in fits else 0
+    res = e.generate_ids(PROMPT, Request(max_new_tokens=20))
+    verifies = res.stats.target_forwards - 1  # the prefill is not observed
+    assert e.graphs.stats.captures >= 1
+    assert fits[TARGET_LEVEL].n - before == verifies - 1  # the first one-token verification captured

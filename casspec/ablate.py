@@ -32,7 +32,8 @@ from tqdm import tqdm
 from dsia.errors import CasspecError
 from dytc.sources import BOTTOMS, DEFAULT_BOTTOM, LOOKUPS
 
-from .bench import BASELINE, Answer, Question, machine_line, make_runner, method_request, run_question, summarize
+from .bench import (BASELINE, Answer, Question, machine_line, make_runner, method_request, run_question, summarize,
+                    writable_folder)
 from .engine import Engine
 from .methods import MULTI_LEVEL, SINGLE_LEVEL
 from .levels_report import measure_levels
@@ -88,6 +89,32 @@ def row_memory_bytes(engine: Engine, row: str) -> int:
     return engine.model.weight_bytes() + kv + sum(copies.values())
 
 
+def _row_key(engine: Engine, questions: list[Question], max_new_tokens: int) -> dict:
+    """What a finished row was measured with: a row file is reused only when all of it matches."""
+    return {"model": engine.name, "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+            "max_new_tokens": max_new_tokens, "questions": [q.question_id for q in questions]}
+
+
+def _finished_row(path: Path, key: dict) -> dict | None:
+    """The row's record if its file holds a finished run measured like `key`; None to (re)run it (a file that is
+    unreadable, say truncated by an interrupt, or measured otherwise is run again, with one warning line)."""
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(rec, dict) or not isinstance(rec.get("answers"), list):
+            raise ValueError("not a row record")
+    except (OSError, ValueError) as e:
+        print(f"casspec: warning: {path} is unreadable ({type(e).__name__}); running the row again", file=sys.stderr)
+        return None
+    differs = [k for k, v in key.items() if rec.get(k) != v]
+    if differs:
+        print(f"casspec: warning: {path} was measured with another {', '.join(differs)} (or does not say); running "
+              "the row again", file=sys.stderr)
+        return None
+    return rec
+
+
 def run_rows(engine: Engine, questions: list[Question], rows: list[str], max_new_tokens: int, out: Path,
              progress: bool = True) -> dict[str, dict]:
     """Run the rows not finished yet (OUT/rows/ROW.json); return every row's record."""
@@ -96,14 +123,11 @@ def run_rows(engine: Engine, questions: list[Question], rows: list[str], max_new
     records: dict[str, dict] = {}
     todo = []
     for row in rows:
-        path = folder / _file_name(row)
-        if path.is_file():
-            rec = json.loads(path.read_text())
-            ids = [q.question_id for q in questions]
-            if rec.get("max_new_tokens") == max_new_tokens and rec.get("questions") == ids:
-                records[row] = rec
-                continue
-        todo.append(row)
+        rec = _finished_row(folder / _file_name(row), _row_key(engine, questions, max_new_tokens))
+        if rec is not None:
+            records[row] = rec
+        else:
+            todo.append(row)
     bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="ablate", unit="run", disable=not progress,
                file=sys.stderr)
     for row in todo:
@@ -112,8 +136,8 @@ def run_rows(engine: Engine, questions: list[Question], rows: list[str], max_new
         run(engine.encode([{"role": "user", "content": questions[0].turns[0]}]), min(16, max_new_tokens))  # warm-up
         t0 = time.time()
         answers = [run_question(engine, run, q, max_new_tokens, None) for q in questions]
-        rec = {"row": row, "max_new_tokens": max_new_tokens, "questions": [q.question_id for q in questions],
-               "started": t0, "seconds": time.time() - t0, "memory_bytes": row_memory_bytes(engine, row),
+        rec = {"row": row, **_row_key(engine, questions, max_new_tokens), "started": t0,
+               "seconds": time.time() - t0, "memory_bytes": row_memory_bytes(engine, row),
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "answers": [asdict(a) for a in answers]}
         (folder / _file_name(row)).write_text(json.dumps(rec))
@@ -127,7 +151,7 @@ def ablate(engine: Engine, questions: list[Question], rows: list[str], max_new_t
            dtype: str, cfg: AblateConfig = AblateConfig(), progress: bool = True) -> dict:
     if rows[0] != BASELINE:
         raise CasspecError(f"the ablation's first row must be the baseline {BASELINE}")
-    out = Path(out)
+    out = writable_folder(out)
     records = run_rows(engine, questions, rows, max_new_tokens, out, progress)
     answers = {row: [Answer(**a) for a in records[row]["answers"]] for row in rows}
     summary = summarize(engine, answers, max_new_tokens, dtype)

@@ -8,6 +8,7 @@ loaded weights and always runs, so every ratio comes from one run on one machine
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -81,8 +82,14 @@ def read_questions(path: str | Path, limit: int | None = None, per_category: int
     for flag, value in (("--limit", limit), ("--per-category", per_category)):
         if value is not None and value < 1:
             raise CasspecError(f"{flag} must be >= 1 (got {value})")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CasspecError(f"questions file {p} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    except OSError as e:
+        raise CasspecError(f"cannot read questions file {p} ({e.strerror}): check the path and permissions") from None
     questions = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -107,6 +114,20 @@ def read_questions(path: str | Path, limit: int | None = None, per_category: int
                 kept.append(q)
         questions = kept
     return questions
+
+
+def writable_folder(path: str | Path) -> Path:
+    """The output folder, created and checked writable before any work (one clear error if it is not)."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".casspec-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise CasspecError(f"cannot write to the output folder {str(out)!r} ({e.strerror}): pass a writable --out") \
+            from None
+    return out
 
 
 def variants(method: str) -> dict[str, dict]:
@@ -361,8 +382,7 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     if repeats < 1:
         raise CasspecError(f"--repeats must be >= 1 (got {repeats})")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_folder(out_dir)
     runners = {m: make_runner(engine, m, level, sampling) for m in methods}
     for m, run in runners.items():  # warm-up: one short untimed generation per method
         run(engine.encode([{"role": "user", "content": questions[0].turns[0]}]), min(16, max_new_tokens))

@@ -104,6 +104,13 @@ class Engine:
         if self.tokenizer is None:
             raise CasspecError(f"{self.name} has random weights and no tokenizer (profiling only): load a checkpoint")
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        texts = [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]
+        for text in texts:
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:  # e.g. bytes that were not UTF-8 on the command line (surrogate escapes)
+                    raise CasspecError("the prompt is not valid UTF-8 text: pass it as UTF-8") from None
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise CasspecError("the prompt is empty: pass some text")

@@ -40,6 +40,9 @@ class Request:
             parse_sources(self.method, self.levels)
         if self.bottom not in BOTTOMS:
             raise CasspecError(f"unknown bottom {self.bottom!r}: use one of {', '.join(BOTTOMS)}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):
+            raise CasspecError(f"seed must be an integer in [0, 2**64) (got {self.seed!r})")
         if any(not s for s in self.stop):
             raise CasspecError("stop strings must not be empty: drop the empty --stop")
 

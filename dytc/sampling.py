@@ -5,6 +5,7 @@ sampling silently stops being lossless.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,23 +14,30 @@ from torch import Tensor
 from dsia.errors import CasspecError
 
 
+GREEDY_BELOW = 1e-4  # temperatures below this are greedy decoding (the warp's limit as T -> 0 is the argmax;
+# far below it logits / T overflows)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy (argmax)
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy (argmax)
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p; 1 = off
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
+        if not math.isfinite(self.temperature):
+            raise CasspecError(f"temperature must be a finite number (got {self.temperature}); use 0 for greedy "
+                               "decoding, e.g. 0.7 to sample")
+        if self.temperature < 0:
             raise CasspecError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding")
         if not 0 < self.top_p <= 1:
             raise CasspecError(f"top_p must be in (0, 1] (got {self.top_p}); use 1 to turn it off")
-        if self.top_k < 0:
-            raise CasspecError(f"top_k must be >= 0 (got {self.top_k}); use 0 to turn it off")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise CasspecError(f"top_k must be an integer >= 0 (got {self.top_k!r}); use 0 to turn it off")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def warp(logits: Tensor, params: SamplingParams) -> Tensor:

@@ -1,5 +1,12 @@
 """casspec: lossless self-speculative decoding. The API is `casspec.engine.Engine`; every bad input raises
 `CasspecError` (defined in the bottom layer, dsia/errors.py, so that every layer can raise it)."""
+from importlib.metadata import PackageNotFoundError, version
+
 from dsia.errors import CasspecError
 
-__all__ = ["CasspecError"]
+try:
+    __version__ = version("casspec")
+except PackageNotFoundError:  # running from a checkout that is not installed
+    __version__ = "0+unknown"
+
+__all__ = ["CasspecError", "__version__"]

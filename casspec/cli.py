@@ -51,7 +51,10 @@ def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="casspec", description="Lossless self-speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"casspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_generate_args, _bench_args, _levels_args, _profile_args, _ablate_args, _tune_args):
         add(sub)

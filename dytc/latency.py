@@ -20,6 +20,7 @@ Profiles (JSON files written by `casspec profile`) are matched to the machine, m
 """
 from __future__ import annotations
 
+import importlib.resources
 import json
 import math
 import os
@@ -33,7 +34,6 @@ import numpy as np
 
 TARGET_LEVEL = "target"  # the level name under which the target's own forward is profiled
 KNOTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # token counts where the latency's slope in T may change
-DEFAULT_PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # the repo's profiles/ folder
 PROFILE_VERSION = 1
 
 
@@ -290,9 +290,18 @@ def machine_info(device: str = "cpu") -> dict:
             "platform": platform.platform()}
 
 
+def default_profiles() -> Path:
+    """The shipped profiles: package data of an installed casspec (`dytc.profiles`), else the checkout's profiles/
+    (when the packages run from a checkout that is not installed)."""
+    try:
+        return Path(str(importlib.resources.files("dytc.profiles")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "profiles"
+
+
 def select_profile(machine: dict, model: str, dtype: str, folder: str | Path | None = None) -> Path | None:
     """The newest profile in `folder` measured on this CPU model and GPU, for this model and dtype, else None."""
-    folder = Path(folder) if folder is not None else DEFAULT_PROFILES
+    folder = Path(folder) if folder is not None else default_profiles()
     best: tuple[str, Path] | None = None
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:

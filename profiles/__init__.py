@@ -1,0 +1,1 @@
+"""The shipped latency profiles (package data `dytc.profiles`; see dytc.latency.default_profiles)."""

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from .graphs import Graphs
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE scalings whose frequencies are fixed at load (the runtime copies the HF model's inv_freq and attention
+# scaling once); "dynamic" and "longrope" change them with the sequence length, so they are refused
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ class ModelSpec:
         if arch not in SUPPORTED_ARCHS:
             raise CasspecError(f"unsupported architecture {arch!r}: casspec supports {', '.join(SUPPORTED_ARCHS)} "
                                "(Llama family); use a checkpoint of one of these")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type not in STATIC_ROPE:
+            raise CasspecError(f"RoPE scaling {rope_type!r} is not supported: casspec implements "
+                               f"{', '.join(STATIC_ROPE)} (frequencies fixed at load); use a checkpoint without it")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         max_ctx = cfg.max_position_embeddings
         window = getattr(cfg, "sliding_window", None)

@@ -4,6 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsia.errors import CasspecError
 from dsia.model import Transformer
 from dsia.plan import Plan
 from dytc.tree import ancestor_mask, position_ids
@@ -144,3 +145,37 @@ def test_cache_full_is_a_clear_error():
     cache = rt.new_cache(8)
     with pytest.raises(CasspecError, match="context window full"):
         rt.forward(cache, torch.arange(9), torch.arange(9), 0)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}])
+@torch.no_grad()
+def test_static_rope_scalings_equal_hf_past_the_original_context(rope):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, rope_scaling=dict(rope, rope_theta=10000.0))
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    rt = Transformer.from_hf(hf)
+    ids = torch.randint(0, 97, (100,))  # past the original 32 positions
+    ref = hf(ids[None]).logits[0]
+    out = rt.forward(rt.new_cache(128), ids, torch.arange(100), 0)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_scalings_that_change_with_length_are_refused(rope_type):
+    from transformers import LlamaConfig
+
+    from dsia.model import ModelSpec
+
+    extra = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256,
+                      rope_scaling={"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0,
+                                    **(extra if rope_type == "longrope" else {})})
+    with pytest.raises(CasspecError, match=f"RoPE scaling '{rope_type}' is not supported"):
+        ModelSpec.from_hf_config(cfg)

@@ -34,7 +34,13 @@ def _engine(args: argparse.Namespace):
     from .engine import Engine
 
     return Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context,
-                                  kernels=args.kernels)
+                                  kernels=args.kernels, autoprofile=not getattr(args, "no_autoprofile", True),
+                                  keep_state=args.command == "generate")
+
+
+def _autoprofile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-autoprofile", action="store_true", help="when no latency profile matches this machine, "
+                   "model and dtype, fit the latency online instead of measuring one (about a minute, once)")
 
 
 def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL file") -> None:
@@ -74,7 +80,8 @@ def _generate_args(sub) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="raw continuation, no chat template")
-    g.add_argument("--stats", action="store_true", help="print generation stats to stderr")
+    g.add_argument("--stats", action="store_true", help="print set-up and generation stats to stderr")
+    _autoprofile(g)
 
 
 def _bench_args(sub) -> None:
@@ -88,6 +95,7 @@ def _bench_args(sub) -> None:
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--out", default="bench-out", help="output folder")
     _common(b)
+    _autoprofile(b)
 
 
 def _levels_args(sub) -> None:
@@ -120,6 +128,7 @@ def _ablate_args(sub) -> None:
     ab.add_argument("--readme", default=None, help="also write the table and plots into this README's "
                     "'ablate' section")
     _common(ab)
+    _autoprofile(ab)
 
 
 def _tune_args(sub) -> None:
@@ -164,6 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.stats:
+        print(engine.last_result.stats.setup_summary(), file=sys.stderr)
         print(engine.last_result.stats.summary(), file=sys.stderr)
     return 0
 
@@ -219,7 +229,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(format_profile(prof))
         print(f"wrote {', '.join(map(str, write_profile(prof, args.out, args.plot)))}", file=sys.stderr)
         return 0
-    cfg = config_for(args.quick, args.levels)
+    cfg = config_for(args.quick, args.levels, args.device.split(":")[0])
     check_out(args.out)
     engine = _engine(args)
     prof = profile(engine, cfg, progress=not args.no_progress)

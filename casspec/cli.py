@@ -35,7 +35,7 @@ def _engine(args: argparse.Namespace):
 
     return Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context,
                                   kernels=args.kernels, autoprofile=not getattr(args, "no_autoprofile", True),
-                                  keep_state=args.command == "generate")
+                                  keep_state=args.command == "generate", hf=args.command != "generate")
 
 
 def _autoprofile(p: argparse.ArgumentParser) -> None:

@@ -44,13 +44,13 @@ class Engine:
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
-        model = Transformer.from_hf(loaded.model)
+        model = loaded.runtime if loaded.runtime is not None else Transformer.from_hf(loaded.model)
         dense, self.kernels = kernels_for(model, kernels)
         self.model = model.with_dense(dense)
         if max_context is not None and max_context < 2:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         self.cache: KVCache = self.model.new_cache(max_context)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = self._eos_ids(loaded.generation_eos)
         store = LevelStore(loaded.store_dir / "levels", self.dtype, self.device) if loaded.store_dir else None
         self.levels = LevelRegistry(self.model, store=store)  # draft levels, built on first use and reused
         self.setup = {"kernels": time.perf_counter() - t0}  # seconds of set-up by phase, until a generation reports
@@ -68,10 +68,12 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_context: int | None = None,
-                        kernels: str = "auto", autoprofile: bool = True, keep_state: bool = True) -> "Engine":
-        """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file."""
+                        kernels: str = "auto", autoprofile: bool = True, keep_state: bool = True,
+                        hf: bool = True) -> "Engine":
+        """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
+        model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
         t0 = time.perf_counter()
-        loaded = load(model, dtype, device)
+        loaded = load(model, dtype, device, hf)
         load_s = time.perf_counter() - t0
         engine = cls(loaded, max_context, kernels, autoprofile, keep_state)
         engine.setup = {"load": load_s, **engine.setup}
@@ -107,8 +109,8 @@ class Engine:
                                      s.head_dim, elem)
         return LatencyModel(spec), "no profile for this machine, model and dtype: fitting online from own timings"
 
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
+    def _eos_ids(self, generation_eos: tuple[int, ...]) -> frozenset[int]:
+        ids: set[int] = set(generation_eos)  # generation_config's, where no HF model carries it
         gen_eos = getattr(getattr(self.hf_model, "generation_config", None), "eos_token_id", None)
         for e in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]):
             if e is not None:

@@ -167,8 +167,9 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> t
 
 
 def feature_spec(engine: Engine) -> FeatureSpec:
-    s = engine.model.spec
-    n_params = sum(p.numel() for p in engine.hf_model.parameters())
+    s, m = engine.model.spec, engine.model
+    tensors = [m.embed, m.lm_head, m.norm] + [t for lw in m.layers for t in (*vars(lw).values(), *lw.bias.values())]
+    n_params = sum(t.numel() for t in {t.data_ptr(): t for t in tensors if isinstance(t, torch.Tensor)}.values())
     return FeatureSpec.for_model(n_params, s.n_layers, s.n_heads, s.n_kv_heads, s.head_dim,
                                  torch.finfo(engine.dtype).bits // 8)
 

@@ -194,3 +194,44 @@ def test_cli_one_shot_calls_measure_once_and_reuse_what_they_built(cache, tiny_a
     assert list(cache.glob("hf-*/levels/quant-int4-*.safetensors")) and list((cache / "state").glob("*.json"))
     assert main(argv + ["--no-autoprofile", "--method", "ar"]) == 0
     assert capsys.readouterr().out == outs[0].out
+
+
+def _named(t) -> dict[str, torch.Tensor]:
+    """Every tensor of a runtime by name (RoPE tables included)."""
+    out = {"embed": t.embed, "lm_head": t.lm_head, "norm": t.norm, "cos": t.cos, "sin": t.sin}
+    for i, lw in enumerate(t.layers):
+        out.update({f"{i}.{f}": v for f, v in vars(lw).items() if isinstance(v, torch.Tensor)})
+        out.update({f"{i}.bias.{n}": v for n, v in lw.bias.items()})
+    return out
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False),
+                                      ("mistral", False)])
+def test_the_runtime_read_from_files_is_the_wrapped_hf_model(tmp_path, arch, tie):
+    from casspec.weights import read_runtime
+    from dsia.model import Transformer
+
+    from transformers import AutoModelForCausalLM
+
+    tiny_model(arch, tie=tie).save_pretrained(tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):  # against what loading builds through transformers
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, attn_implementation="sdpa")
+        wrapped = _named(Transformer.from_hf(hf))
+        runtime = read_runtime(tmp_path, dtype, torch.device("cpu"))
+        direct = _named(runtime)
+        assert direct.keys() == wrapped.keys() and runtime.spec == Transformer.from_hf(hf).spec
+        assert [k for k in direct if not (torch.equal(direct[k], wrapped[k]) and direct[k].dtype == dtype)] == []
+        assert (runtime.lm_head is runtime.embed) == tie
+
+
+def test_generate_without_the_hf_model_is_exact(tmp_path):
+    from casspec.loading import load
+
+    tiny_model().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with_hf = Engine(load(str(tmp_path)), kernels="blas", autoprofile=False, keep_state=False)
+    without = Engine(load(str(tmp_path), hf=False), kernels="blas", autoprofile=False, keep_state=False)
+    assert without.hf_model is None and without.eos_ids == with_hf.eos_ids
+    for method in ("ar", "dytc"):
+        req = Request(max_new_tokens=20, method=method)
+        assert without.generate_ids(PROMPT, req).token_ids == with_hf.generate_ids(PROMPT, req).token_ids

@@ -44,13 +44,14 @@ def cached_profile(key: dict) -> dict | None:
     return prof if ok and isinstance(prof.get("predictor"), dict) else None
 
 
-def autoprofile(engine: Engine, key: dict, progress: bool = True) -> dict:
-    """The cached profile of `key`, else one measured now on `engine` (and cached)."""
+def autoprofile(engine: Engine, key: dict, progress: bool = True) -> dict | None:
+    """The cached profile of `key`, else one measured now on `engine` (and cached); None when the engine's
+    context window (capped by max_context) is too small for the grid: the latency is then fitted online."""
     from .methods import default_levels
-    from .profile import AUTO, profile
+    from .profile import AUTO, fits, profile
 
     prof = cached_profile(key)
-    if prof is not None:
+    if prof is not None or not fits(engine, AUTO):
         return prof
     path = profile_path(key)
     with locked(path):

@@ -82,6 +82,11 @@ def _time_ms(fn, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def fits(engine: Engine, cfg: ProfileConfig) -> bool:
+    """Whether the engine's context window holds the grid (at least one context, then its longest forward)."""
+    return bool(_contexts(engine, cfg))
+
+
 def _contexts(engine: Engine, cfg: ProfileConfig) -> list[int]:
     room = engine.cache.capacity - max(cfg.tokens) - 1  # the longest forward must fit in the window
     ctx = sorted({min(c, room) for c in cfg.contexts if c >= 1})
@@ -124,13 +129,13 @@ def _rounds(calls: list[Call], cfg: ProfileConfig, dev: torch.device, bar: tqdm,
     t0 = time.perf_counter()
     for r in range(cfg.warmup + cfg.repeats):
         if r > cfg.warmup and budget_s is not None and time.perf_counter() - t0 > budget_s:
-            bar.update(min(len(calls) * (cfg.warmup + cfg.repeats - r) / cfg.repeats, bar.total - bar.n))  # left out
+            bar.update(len(calls) * (cfg.warmup + cfg.repeats - r))  # the rounds left out
             break
         for i, (_, _, _, fn) in enumerate(calls):
             ms = _time_ms(fn, dev)
             if r >= cfg.warmup:
                 times[i].append(ms)
-                bar.update(1 / cfg.repeats)
+                bar.update(1)
     return times
 
 
@@ -143,14 +148,17 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> t
     levels = [engine.levels.get(n) for n in cfg.levels]  # builds quantized copies once
     model, cache = engine.model, engine.cache
     contexts = _contexts(engine, cfg)
+    if not contexts:
+        raise CasspecError(f"the context window ({cache.capacity} tokens) cannot hold a forward of {max(cfg.tokens)} "
+                           "tokens after a context: raise --max-context")
     gen = torch.Generator().manual_seed(cfg.seed)
     # prefill ids from the low (frequent, in BPE merge order) ids, as in text: a reduced-vocab level's head then
     # keeps its usual size instead of growing with thousands of distinct random ids
     high = min(model.spec.vocab_size, VocabConfig.frequent)
     ids = torch.randint(3, high, (max(contexts) + 1,), generator=gen).tolist()
-    total = len(contexts) * (len(levels) + 1) * len(cfg.shapes) * len(cfg.tokens)
-    bar = tqdm(total=total, desc="profile", unit="pt", disable=not progress, file=sys.stderr,
-               bar_format="{l_bar}{bar}| {n:.0f}/{total} [{elapsed}<{remaining}]")
+    total = len(contexts) * (len(levels) + 1) * len(cfg.shapes) * len(cfg.tokens) * cfg.repeats  # timed forwards
+    bar = tqdm(total=total, desc="profile", unit="fwd", disable=not progress, file=sys.stderr,
+               bar_format="{l_bar}{bar}| {n}/{total} timed forwards [{elapsed}<{remaining}]")
     budget = cfg.budget_s / len(contexts) if cfg.budget_s is not None else None  # per context
     points: list[Point] = []
     runs: list[list[float]] = []

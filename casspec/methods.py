@@ -83,6 +83,13 @@ def default_sources(method: str, device_type: str) -> list[tuple[str, int]]:
     return list(CascadeConfig.hc_segments) if cpu else [(GPU_LEVEL, 4), (PLD, 4)]
 
 
+def default_levels(device_type: str) -> tuple[str, ...]:
+    """The draft levels the multi-level methods route by default on this device (what a profile made on first
+    use measures besides the target)."""
+    names = [n for m in MULTI_LEVEL for n, _ in default_sources(m, device_type) if n not in LOOKUPS]
+    return tuple(dict.fromkeys(names))
+
+
 def parse_sources(method: str, levels: Sequence[str]) -> list[tuple[str, int]]:
     """Request.levels of a multi-level method -> [(source, segment tokens or 0)]; one clear error if malformed."""
     out = []

@@ -33,6 +33,8 @@ class Stats:
     predicted_verify_seconds: float = 0.0  # what the predictor expected the verification forwards to take
     accepted_by_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d+1
     policy: dict = field(default_factory=dict)  # the drafting policy's own report (dytc: levels, fallbacks, ...)
+    setup: dict[str, float] = field(default_factory=dict)  # seconds before generating, by phase: load, kernels,
+    # profile (the engine's, reported by its first generation) and levels (built or read back for this one)
 
     @contextmanager
     def timer(self, phase: str) -> Iterator[None]:
@@ -77,6 +79,11 @@ class Stats:
         d.update(tokens_per_s=self.tokens_per_s, mean_accepted_tokens=self.mean_accepted_tokens,
                  policy_ms_per_step=self.policy_ms_per_step)
         return d
+
+    def setup_summary(self) -> str:
+        """One line: the set-up time before this generation, by phase (not counted in its tokens/s)."""
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.setup.items())
+        return f"setup {sum(self.setup.values()):.2f}s ({phases}), not counted in the generation's speed"
 
     def summary(self) -> str:
         return (f"[{self.method}] {self.new_tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_s:.1f} tok/s); "

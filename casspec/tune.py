@@ -8,8 +8,6 @@ measured for is measured anew; nothing measured elsewhere is used.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from dsia.model import Transformer
 from dytc.latency import machine_info
 
 from .loading import cache_root
+from .usercache import read_json, write_json
 
 KERNELS_FILE = "kernels.json"  # in the user cache: key -> {"names", "timings_ms", "created"}
 
@@ -39,31 +38,12 @@ def tuning_key(model: Transformer) -> str:
                        "shapes": weight_shapes(model)}, sort_keys=True)
 
 
-def _read(path: Path) -> dict:
-    try:
-        store = json.loads(path.read_text())
-        return store if isinstance(store, dict) else {}
-    except (OSError, ValueError):
-        return {}  # missing or unreadable: measure again
-
-
-def _write(path: Path, store: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(store, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
-        print(f"casspec: warning: cannot cache the kernel choice in {path} ({e.strerror}); it is measured again "
-              "next time", file=sys.stderr)
-
-
 def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = False) -> tuple[DenseKernels, dict]:
     """The measured kernel choice for this model on this machine (cached), and its record: {"names",
     "timings_ms": {kernel: [ms per bucket]}, "created", "source": "cached" | "measured"}."""
     path = path or cache_root() / KERNELS_FILE
     key = tuning_key(model)
-    store = _read(path)
+    store = read_json(path) or {}  # missing or unreadable: measure again
     rec = store.get(key)
     valid = isinstance(rec, dict) and isinstance(rec.get("names"), list) and len(rec["names"]) == len(BUCKETS)
     if valid and not refresh:
@@ -75,7 +55,7 @@ def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = 
     chosen = choose(timings)
     rec = {"names": list(chosen.names), "timings_ms": timings, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     store[key] = rec
-    _write(path, store)
+    write_json(path, store)
     return chosen, dict(rec, source="measured")
 
 

@@ -25,7 +25,7 @@ from .plan import Plan
 from .quant import Quant
 from .skip import Skip
 from .sparsity import Sparse
-from .strategy import HasBytes, Resources, Strategy, Switch
+from .strategy import HasBytes, Resources, Store, Strategy, Switch
 from .vocab import Vocab
 
 # One line per draft strategy. The order is the canonical order of a mix's name parts, and the order in which
@@ -160,8 +160,9 @@ def reads_kv_of(reader: str, writer: Level | None) -> bool:
 class LevelRegistry:
     """Levels by name for one model, built once and reused (a quantized copy is shared by every mix)."""
 
-    def __init__(self, model: Transformer, strategies: tuple[type[Strategy], ...] = STRATEGIES) -> None:
-        self.resources = Resources(model)
+    def __init__(self, model: Transformer, strategies: tuple[type[Strategy], ...] = STRATEGIES,
+                 store: Store | None = None) -> None:
+        self.resources = Resources(model, store)  # store: where built copies outlive the process (None: nowhere)
         self.strategies = strategies
         self.levels: dict[str, Level] = {}
 

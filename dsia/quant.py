@@ -277,6 +277,66 @@ def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int]
     return q
 
 
+# ---------------------------------------------------------------------------------------------- on disk
+_STORED = {cls.__name__: cls for cls in (Int8Linear, Int4Linear, Int8GroupLinear)}  # kernels a QuantCodec keeps
+
+
+def _encode_kernel(k: QuantLinear, prefix: str, tensors: dict[str, Tensor]) -> dict:
+    """A kernel's tensors go to `tensors` under prefix.field; its other fields (ints, dtypes) to the layout."""
+    fields: dict[str, object] = {}
+    for name, v in vars(k).items():
+        if isinstance(v, Tensor):
+            tensors[f"{prefix}.{name}"] = v.contiguous()
+        else:
+            fields[name] = str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+    return {"class": type(k).__name__, "fields": fields}
+
+
+def _decode_kernel(spec: dict, prefix: str, tensors: dict[str, Tensor]) -> QuantLinear:
+    cls = _STORED[spec["class"]]
+    k = cls.__new__(cls)  # the fields as quantized before: nothing to recompute
+    for name, v in spec["fields"].items():
+        setattr(k, name, getattr(torch, v) if name == "act_dtype" else v)
+    for key, t in tensors.items():
+        if key.startswith(prefix + "."):
+            setattr(k, key[len(prefix) + 1:], t)
+    return k
+
+
+@dataclass(frozen=True)
+class QuantCodec:
+    """A QuantizedLinears as tensors plus a JSON layout, so a store (casspec's user cache) can keep the packed
+    copies between processes instead of quantizing again."""
+    cfg: QuantConfig
+
+    @property
+    def name(self) -> str:  # what the copy depends on besides the model's weights
+        c = self.cfg
+        return f"quant-{c.kind}-g{c.group_size}-{str(c.act_dtype).removeprefix('torch.')}-{c.head_kind}-fuse{c.fuse:d}"
+
+    def encode(self, q: QuantizedLinears) -> tuple[dict[str, Tensor], dict]:
+        tensors: dict[str, Tensor] = {}
+        kinds = [[list(k) if isinstance(k, tuple) else k, v] for k, v in q.kinds.items()]
+        layout = {"nbytes": q.nbytes, "kinds": kinds,
+                  "linears": {f"{i}.{n}": _encode_kernel(k, f"L{i}.{n}", tensors) for (i, n), k in q.linears.items()},
+                  "fused": {f"{i}.{g}": dict(_encode_kernel(f.kernel, f"F{i}.{g}", tensors), sizes=f.sizes)
+                            for (i, g), f in q.fused.items()},
+                  "head": _encode_kernel(q.head, "head", tensors) if q.head is not None else None}
+        return tensors, layout
+
+    def decode(self, tensors: dict[str, Tensor], layout: dict) -> QuantizedLinears:
+        def key(s: str) -> tuple[int, str]:
+            i, n = s.split(".")
+            return int(i), n
+
+        linears = {key(s): _decode_kernel(spec, f"L{s}", tensors) for s, spec in layout["linears"].items()}
+        fused = {key(s): FusedLinear(_decode_kernel(spec, f"F{s}", tensors), spec["sizes"])
+                 for s, spec in layout["fused"].items()}
+        head = _decode_kernel(layout["head"], "head", tensors) if layout["head"] is not None else None
+        kinds = {tuple(k) if isinstance(k, list) else k: v for k, v in layout["kinds"]}
+        return QuantizedLinears(linears, head, layout["nbytes"], kinds, fused)
+
+
 # ---------------------------------------------------------------------------------------------- strategy
 @dataclass(frozen=True)
 class Quant(Strategy):
@@ -300,7 +360,8 @@ class Quant(Strategy):
 
     def bind(self, resources: Resources) -> Switch:
         cfg = QuantConfig(self.kind)
-        return QuantSwitch(resources.get(("quant", cfg), lambda model: quantize_linears(model, cfg)))
+        codec = QuantCodec(cfg) if "nf4" not in (cfg.kind, cfg.head_kind) else None  # bnb's state stays in memory
+        return QuantSwitch(resources.get(("quant", cfg), lambda model: quantize_linears(model, cfg), codec))
 
 
 class QuantSwitch(Switch):

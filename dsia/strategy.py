@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import ClassVar, Protocol, TypeVar
 
+from torch import Tensor
+
 from .kvcache import KVCache
 from .model import Transformer
 from .plan import Plan
@@ -23,17 +25,43 @@ class HasBytes(Protocol):
     def nbytes(self) -> int: ...
 
 
+class Codec(Protocol[T]):
+    """How a shared resource is kept on disk: its tensors plus a JSON-able layout (e.g. quant.QuantCodec)."""
+
+    @property
+    def name(self) -> str:
+        """What the resource depends on besides the model's weights, as a file-name-safe string."""
+        ...
+
+    def encode(self, obj: T) -> tuple[dict[str, Tensor], dict]: ...
+
+    def decode(self, tensors: dict[str, Tensor], layout: dict) -> T: ...
+
+
+class Store(Protocol):
+    """Where built resources outlive the process (casspec keeps them in its user cache, beside the weights)."""
+
+    def fetch(self, codec: Codec[T], build: Callable[[], T]) -> T:
+        """The stored resource of `codec.name`, or `build()`'s result, stored for the next process."""
+        ...
+
+
 class Resources:
     """What levels share, built once per model (e.g. one quantized copy per kind serves every level mixing it)."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, store: Store | None = None) -> None:
         self.model = model
+        self.store = store  # None: everything is built in memory, every process
         self.built: dict[Hashable, object] = {}  # key -> the object its builder returned
 
-    def get(self, key: Hashable, build: Callable[[Transformer], T]) -> T:
-        """The object under `key`, built by `build(model)` on first use."""
+    def get(self, key: Hashable, build: Callable[[Transformer], T], codec: Codec[T] | None = None) -> T:
+        """The object under `key`, built by `build(model)` on first use; with a codec and a store, built once
+        per machine and read back by later processes."""
         if key not in self.built:
-            self.built[key] = build(self.model)
+            if codec is not None and self.store is not None:
+                self.built[key] = self.store.fetch(codec, lambda: build(self.model))
+            else:
+                self.built[key] = build(self.model)
         return self.built[key]  # type: ignore[return-value]
 
 

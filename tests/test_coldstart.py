@@ -1,0 +1,239 @@
+"""Cold start: level weights kept in the user cache, learned state kept between processes, the profile made on
+first use (on tiny random models, with tiny grids: the logic, not the timings)."""
+import json
+import threading
+
+import pytest
+import torch
+from tiny import tiny_engine, tiny_model, tiny_tokenizer
+
+from casspec.engine import Engine
+from casspec.levelstore import LevelStore
+from casspec.loading import Loaded
+from casspec.request import Request
+from casspec.state import StateFile
+from dsia.quant import QuantCodec, QuantConfig, quantize_linears
+from dytc.acceptance import AcceptanceTracker
+from dytc.latency import TARGET_LEVEL, machine_info
+
+PROMPT = [5, 17, 33, 5, 17, 40, 41, 5, 17]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _plan_logits(model, q) -> torch.Tensor:
+    e = tiny_engine()
+    e.extend_prefix(PROMPT[:-1])
+    return model.forward(e.cache, torch.tensor(PROMPT[-1:]), torch.tensor([len(PROMPT) - 1]), len(PROMPT) - 1,
+                         None, q.plan())
+
+
+def test_quantized_copies_are_stored_once_and_read_back_identical(tmp_path, capsys):
+    e = tiny_engine()
+    codec = QuantCodec(QuantConfig("int4"))
+    built = []
+
+    def build():
+        built.append(1)
+        return quantize_linears(e.model, codec.cfg)
+
+    store = LevelStore(tmp_path / "levels", e.dtype, e.device)
+    first = store.fetch(codec, build)
+    again = LevelStore(tmp_path / "levels", e.dtype, e.device).fetch(codec, build)  # as a second process would
+    assert built == [1] and again.kinds == first.kinds and again.nbytes == first.nbytes
+    assert {type(k).__name__ for k in again.linears.values()} | {type(again.head).__name__} == {"Int4Linear",
+                                                                                                "Int8Linear"}
+    assert torch.equal(_plan_logits(e.model, first), _plan_logits(e.model, again))
+    store.path(codec).write_bytes(b"not a safetensors file")  # corrupt: rebuilt, with one warning, no crash
+    store.fetch(codec, build)
+    assert built == [1, 1] and "unreadable level cache" in capsys.readouterr().err
+    assert len(list((tmp_path / "levels").glob("*.safetensors"))) == 1
+
+
+def test_an_engine_over_stored_levels_stays_exact(tmp_path):
+    model, tok = tiny_model(), tiny_tokenizer()
+    outs = []
+    for _ in range(2):  # the first engine builds and stores the int4 copy, the second reads it back
+        e = Engine(Loaded(model, tok, "tiny-llama", tmp_path), kernels="blas", autoprofile=False, keep_state=False)
+        ar = e.generate_ids(PROMPT, Request(max_new_tokens=24, method="ar")).token_ids
+        outs.append(e.generate_ids(PROMPT, Request(max_new_tokens=24, method="dytc")).token_ids)
+        assert outs[-1] == ar
+    assert outs[0] == outs[1] and list((tmp_path / "levels").glob("quant-int4-*.safetensors"))
+
+
+def test_acceptance_estimates_survive_json():
+    t = AcceptanceTracker()
+    for step in range(30):
+        t.update([("int4", 0.95, True), ("int4", 0.3, step % 3 == 0), ("maxgram", 2, step % 2 == 0)])
+    back = AcceptanceTracker.from_json(json.loads(json.dumps(t.to_json())))
+    for source, belief in (("int4", 0.95), ("int4", 0.3), ("maxgram", 2), ("int4+vocab", 0.5)):
+        assert back.estimate(source, belief) == t.estimate(source, belief)
+    back.update([("int4", 0.95, False)])
+    t.update([("int4", 0.95, False)])
+    assert back.estimate("int4", 0.95) == t.estimate("int4", 0.95)  # the windows came back too
+
+
+def test_learned_state_is_kept_between_engines_and_a_bad_file_is_ignored(cache):
+    first = tiny_engine(keep_state=True)
+    ar = first.generate_ids(PROMPT, Request(max_new_tokens=24, method="ar")).token_ids
+    assert first.generate_ids(PROMPT, Request(max_new_tokens=24, method="dytc")).token_ids == ar
+    tracker = next(iter(first.drafters.trackers.values()))
+    second = tiny_engine(keep_state=True)  # a later process
+    assert "refined by earlier runs" in second.latency_source
+    assert second.latency.predict_ms(TARGET_LEVEL, 4, 30) == first.latency.predict_ms(TARGET_LEVEL, 4, 30)
+    kept = next(iter(second.drafters.trackers.values()))
+    assert kept.estimate("int4", 0.9) == tracker.estimate("int4", 0.9) and kept.counts == tracker.counts
+    assert second.generate_ids(PROMPT, Request(max_new_tokens=24, method="dytc")).token_ids == ar
+    state = StateFile.of(machine_info("cpu"), "tiny-llama", "float32")
+    assert state.path.is_file() and state.path.parent == cache / "state"
+    assert state.load("another profile")[0] is None and state.load("another profile")[1]  # estimates still count
+    state.path.write_text('{"version": 1, "key": ' + json.dumps(state.key) + ', "trackers": {"x": {"rates": 3}}}')
+    assert state.load(second._state_origin) == (None, {})
+    state.path.write_text("{truncated")
+    third = tiny_engine(keep_state=True)
+    assert "refined" not in third.latency_source and third.drafters.trackers == {}
+    assert StateFile.of(machine_info("cpu"), "tiny-llama", "bfloat16").path != state.path
+
+
+@pytest.fixture
+def tiny_auto(monkeypatch):
+    """The profile made on first use over a tiny grid, counting its measurements."""
+    from casspec import profile as prof_mod
+
+    measured = []
+    real = prof_mod.profile
+
+    def counting(engine, cfg, progress=True):
+        measured.append(cfg.levels)
+        return real(engine, cfg, progress=False)
+
+    monkeypatch.setattr(prof_mod, "AUTO", prof_mod.ProfileConfig(tokens=(1, 2, 3, 4, 6), contexts=(8, 24), repeats=1,
+                                                                  shapes=("chain",), budget_s=1.0))
+    monkeypatch.setattr(prof_mod, "profile", counting)
+    return measured
+
+
+def test_a_profile_is_made_on_first_use_cached_and_keyed(cache, tiny_auto, capsys):
+    e = tiny_engine(autoprofile=True)
+    assert tiny_auto == [("int4", "int4+vocab")]  # the levels the default methods route
+    assert e.latency_source.startswith("profile made on first use")
+    assert {TARGET_LEVEL, "int4", "int4+vocab"} <= set(e.latency.levels)
+    assert "measuring one" in capsys.readouterr().err
+    files = list((cache / "profiles").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["model"] == "tiny-llama"
+    again = tiny_engine(autoprofile=True)  # a later process: read back, not measured
+    assert len(tiny_auto) == 1 and again.latency_source == e.latency_source
+    assert "measuring" not in capsys.readouterr().err
+    assert tiny_engine(autoprofile=False).latency_source == e.latency_source  # made earlier: still preferred
+    tiny_engine("qwen2", autoprofile=True)  # another model: its own profile
+    assert len(tiny_auto) == 2 and len(list((cache / "profiles").glob("*.json"))) == 2
+    files[0].write_text("{corrupt")
+    tiny_engine(autoprofile=True)
+    assert len(tiny_auto) == 3
+
+
+def test_no_autoprofile_fits_online(cache, tiny_auto):
+    e = tiny_engine(autoprofile=False)
+    assert tiny_auto == [] and "fitting online" in e.latency_source and not (cache / "profiles").exists()
+    small = tiny_engine(autoprofile=True, max_context=7)  # the window cannot hold the grid: nothing measured
+    assert tiny_auto == [] and "fitting online" in small.latency_source
+
+
+def test_two_processes_measure_the_profile_once(cache, tiny_auto):
+    from casspec.autoprofile import autoprofile, profile_key
+
+    engines = [tiny_engine(), tiny_engine()]
+    key = profile_key(machine_info("cpu"), "tiny-llama", "float32")
+    got = [None, None]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, autoprofile(engines[i], key, False)))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tiny_auto) == 1 and got[0]["created"] == got[1]["created"]
+
+
+def test_profile_rounds_stop_when_the_budget_is_spent():
+    from tqdm import tqdm
+
+    from casspec.profile import ProfileConfig, _rounds
+
+    calls = [("target", t, False, lambda: None) for t in (1, 2, 3)]
+    cfg = ProfileConfig(repeats=4, warmup=1)
+    bar = tqdm(total=len(calls) * cfg.repeats, disable=True)
+    assert [len(t) for t in _rounds(calls, cfg, torch.device("cpu"), bar, None)] == [4, 4, 4]
+    assert [len(t) for t in _rounds(calls, cfg, torch.device("cpu"), bar, 0.0)] == [1, 1, 1]
+
+
+def test_stats_separate_setup_from_generation(cache):
+    e = tiny_engine()
+    first = e.generate_ids(PROMPT, Request(max_new_tokens=8, method="dytc")).stats
+    assert set(first.setup) == {"kernels", "profile", "levels"} and first.setup["levels"] > 0
+    later = e.generate_ids(PROMPT, Request(max_new_tokens=8, method="dytc")).stats
+    assert set(later.setup) == {"levels"}  # the engine's set-up is reported once; the levels were built
+    assert later.setup_summary().startswith("setup ") and "levels" in later.setup_summary()
+
+
+def test_cli_one_shot_calls_measure_once_and_reuse_what_they_built(cache, tiny_auto, tmp_path, capsys):
+    from casspec.cli import main
+
+    folder = tmp_path / "tiny-hf"
+    tiny_model().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    argv = ["generate", "w5 w17 w33 w5 w17", "--model", str(folder), "--no-chat", "--max-new-tokens", "12", "--stats"]
+    outs = []
+    for _ in range(2):  # two one-shot calls
+        assert main(argv) == 0
+        outs.append(capsys.readouterr())
+    assert "measuring one" in outs[0].err and "measuring" not in outs[1].err and len(tiny_auto) == 1
+    assert outs[0].out == outs[1].out and "refined by earlier runs" in outs[1].err
+    assert outs[1].err.startswith("setup ") and "load" in outs[1].err
+    assert list(cache.glob("hf-*/levels/quant-int4-*.safetensors")) and list((cache / "state").glob("*.json"))
+    assert main(argv + ["--no-autoprofile", "--method", "ar"]) == 0
+    assert capsys.readouterr().out == outs[0].out
+
+
+def _named(t) -> dict[str, torch.Tensor]:
+    """Every tensor of a runtime by name (RoPE tables included)."""
+    out = {"embed": t.embed, "lm_head": t.lm_head, "norm": t.norm, "cos": t.cos, "sin": t.sin}
+    for i, lw in enumerate(t.layers):
+        out.update({f"{i}.{f}": v for f, v in vars(lw).items() if isinstance(v, torch.Tensor)})
+        out.update({f"{i}.bias.{n}": v for n, v in lw.bias.items()})
+    return out
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False),
+                                      ("mistral", False)])
+def test_the_runtime_read_from_files_is_the_wrapped_hf_model(tmp_path, arch, tie):
+    from casspec.weights import read_runtime
+    from dsia.model import Transformer
+
+    from transformers import AutoModelForCausalLM
+
+    tiny_model(arch, tie=tie).save_pretrained(tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):  # against what loading builds through transformers
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, attn_implementation="sdpa")
+        wrapped = _named(Transformer.from_hf(hf))
+        runtime = read_runtime(tmp_path, dtype, torch.device("cpu"))
+        direct = _named(runtime)
+        assert direct.keys() == wrapped.keys() and runtime.spec == Transformer.from_hf(hf).spec
+        assert [k for k in direct if not (torch.equal(direct[k], wrapped[k]) and direct[k].dtype == dtype)] == []
+        assert (runtime.lm_head is runtime.embed) == tie
+
+
+def test_generate_without_the_hf_model_is_exact(tmp_path):
+    from casspec.loading import load
+
+    tiny_model().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with_hf = Engine(load(str(tmp_path)), kernels="blas", autoprofile=False, keep_state=False)
+    without = Engine(load(str(tmp_path), hf=False), kernels="blas", autoprofile=False, keep_state=False)
+    assert without.hf_model is None and without.eos_ids == with_hf.eos_ids
+    for method in ("ar", "dytc"):
+        req = Request(max_new_tokens=20, method=method)
+        assert without.generate_ids(PROMPT, req).token_ids == with_hf.generate_ids(PROMPT, req).token_ids

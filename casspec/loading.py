@@ -141,7 +141,12 @@ def _hf_model(path: Path, dtype: torch.dtype, device: torch.device):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                       attn_implementation="sdpa", output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or ())  # transformers fills these with random values (a warning)
+    if missing:
+        raise CasspecError(f"missing weight tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
+                           f"({len(missing)} in all)")
     return model.to(device).eval()
 
 

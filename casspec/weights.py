@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file
 
+from dsia.errors import CasspecError
 from dsia.model import LayerWeights, ModelSpec, Transformer
 
 PROJECTIONS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -56,6 +57,11 @@ def read_runtime(path: Path, dtype: torch.dtype, device: torch.device) -> Transf
     def w(name: str) -> torch.Tensor:
         return state[name].to(device=device, dtype=dtype)
 
+    missing = sorted(n for n in expected_names(spec, config) if n not in state)
+    if missing:
+        raise CasspecError(f"missing weight tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
+                           f"({len(missing)} in all)")
+
     layers = []
     for i in range(spec.n_layers):
         pre = f"model.layers.{i}."
@@ -65,9 +71,23 @@ def read_runtime(path: Path, dtype: torch.dtype, device: torch.device) -> Transf
             **{field: w(pre + name + ".weight") for field, name in PROJECTIONS.items()}, **norms,
             bias={n: w(pre + name + ".bias") for n, name in BIASED.items() if pre + name + ".bias" in state}))
     embed = w("model.embed_tokens.weight")
-    head = w("lm_head.weight") if "lm_head.weight" in state and not config.get("tie_word_embeddings") else embed
+    head = embed if config.get("tie_word_embeddings", False) else w("lm_head.weight")  # (HF's default: untied)
     return Transformer(spec, embed, layers, w("model.norm.weight"), head, inv_freq(theta, spec.head_dim).to(device),
                        1.0)
+
+
+def expected_names(spec: ModelSpec, config: dict) -> list[str]:
+    """The tensors a checkpoint of this spec must hold (biases are optional)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.get("tie_word_embeddings", False):
+        names.append("lm_head.weight")
+    for i in range(spec.n_layers):
+        pre = f"model.layers.{i}."
+        names += [pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"]
+        names += [pre + name + ".weight" for name in PROJECTIONS.values()]
+        if spec.qk_norm:
+            names += [pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"]
+    return names
 
 
 def generation_eos(path: Path) -> tuple[int, ...]:

@@ -92,3 +92,20 @@ def test_ablation_rows_truncated_or_measured_otherwise_are_run_again(tmp_path, c
     assert "another dtype" in capsys.readouterr().err
     row.write_text(json.dumps({**key, "answers": []}))
     assert _finished_row(row, key) == {**key, "answers": []}
+
+
+@pytest.mark.parametrize("hf", [True, False])
+def test_a_checkpoint_missing_weight_tensors_is_refused(tmp_path, hf):
+    from safetensors.torch import load_file, save_file
+
+    from casspec.loading import load
+    from tiny import tiny_model, tiny_tokenizer
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    (f,) = tmp_path.glob("*.safetensors")
+    state = load_file(f)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, f, metadata={"format": "pt"})
+    with pytest.raises(CasspecError, match="missing weight tensors model.layers.1.mlp.up_proj.weight"):
+        load(str(tmp_path), "float32", "cpu", hf)

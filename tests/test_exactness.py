@@ -9,6 +9,7 @@ import pytest
 from casspec import stats as stats_module
 from casspec.engine import Request
 from casspec.methods import METHODS
+from dytc.router import RouterConfig
 from tiny import tiny_engine
 
 LEVELS = ("int8", "int4", "nf4", "skip0.3", "exit2", "sparse0.5", "vocab", "int4+vocab", "int8+skip0.2")
@@ -20,8 +21,14 @@ def engine(max_context: int | None = None):
     return tiny_engine("llama", 3, max_context=max_context)
 
 
+# dytc with constant costs: its routing (and so where its blocks fall) must not depend on this machine's timings
+FIXED_COSTS = RouterConfig(constant_cost=0.3)
+
+
 def request(method: str, n: int, **kw) -> Request:
-    return Request(max_new_tokens=n, method=method, **kw)  # (sd and tree: their default level)
+    """(sd and tree: their default level; dytc: constant costs)"""
+    fixed = {"router": FIXED_COSTS} if method == "dytc" else {}
+    return Request(max_new_tokens=n, method=method, **fixed, **kw)
 
 
 @pytest.mark.parametrize("level", LEVELS)

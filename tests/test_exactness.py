@@ -9,10 +9,11 @@ import pytest
 from casspec import stats as stats_module
 from casspec.engine import Request
 from casspec.methods import METHODS
+from dsia.quant import w8a8_available
 from dytc.router import RouterConfig
 from tiny import tiny_engine
 
-LEVELS = ("int8", "int4", "nf4", "skip0.3", "exit2", "sparse0.5", "vocab", "int4+vocab", "int8+skip0.2")
+LEVELS = ("int8", "int4", "nf4", "w8a8", "skip0.3", "exit2", "sparse0.5", "vocab", "int4+vocab", "int8+skip0.2")
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 10, 11, 5, 6, 7]  # repeats, so that the lookups find matches
 
 
@@ -36,6 +37,8 @@ def request(method: str, n: int, **kw) -> Request:
 def test_every_strategy_drafts_losslessly(method, level):
     if level.startswith("nf4"):
         pytest.importorskip("bitsandbytes")
+    if level == "w8a8" and not w8a8_available():
+        pytest.skip("needs torch's fbgemm kernels")
     e = engine()
     ar = e.generate_ids(PROMPT, Request(max_new_tokens=40))
     spec = e.generate_ids(PROMPT, Request(max_new_tokens=40, method=method, level=level))

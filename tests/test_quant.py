@@ -23,6 +23,8 @@ def has_bnb() -> bool:
 
 def kind_param(kind: str):
     marks = [pytest.mark.skipif(not has_bnb(), reason="needs bitsandbytes")] if kind in BNB_KINDS else []
+    if kind == "w8a8":
+        marks = [pytest.mark.skipif(not quant.w8a8_available(), reason="needs torch's fbgemm kernels")]
     return pytest.param(kind, marks=marks, id=kind)
 
 
@@ -44,6 +46,9 @@ def ref_dequant(w: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
     if kind == "int8":
         s = rnd((w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12))
         return (w / s).round().clamp(-127, 127) * s
+    if kind == "w8a8":  # the scales stay in float64
+        s = (w.double().abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+        return ((w.double() / s).round().clamp(-127, 127) * s).float()
     G = cfg.group_size
     g = w.reshape(out, n_in // G, G)
     if kind == "int8g":
@@ -63,7 +68,17 @@ def ref_dequant(w: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
 
 
 def act_of(kind: str, cfg: QuantConfig) -> torch.dtype:
-    return torch.bfloat16 if kind == "nf4" else cfg.act_dtype
+    return torch.bfloat16 if kind == "nf4" else torch.float32 if kind == "w8a8" else cfg.act_dtype
+
+
+def ref_act(x: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
+    """The activations each kernel multiplies: w8a8 quantizes them per call to uint8 over [min(x, 0), max(x, 0)]."""
+    if kind != "w8a8":
+        return x.to(act_of(kind, cfg)).float()
+    lo, hi = x.min().clamp(max=0), x.max().clamp(min=0)
+    scale = (hi - lo) / 255
+    zero = (-lo / scale).round()
+    return ((x / scale).round() + zero).clamp(0, 255).sub(zero) * scale
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,12 +105,13 @@ def test_kernel_equals_dense_matmul_with_dequantized_weight(kind, act_dtype):
     assert y.shape == (5, 96) and y.dtype == x.dtype
     deq = ref_dequant(w, kind, cfg)
     act = act_of(kind, cfg)
-    ref = x.to(act).float() @ deq.T  # what the kernel multiplies, in float32
-    tol = 1e-5 if act == torch.float32 else 2 ** -8  # bf16 activations give a bf16 output
+    ref = ref_act(x, kind, cfg) @ deq.T  # what the kernel multiplies, in float32
+    # bf16 activations give a bf16 output; w8a8's rounding of x to its grid may differ by one step at a tie
+    tol = 2 ** -8 if act == torch.bfloat16 else 2 ** -7 if kind == "w8a8" else 1e-5
     torch.testing.assert_close(y, ref, rtol=0, atol=tol * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("kind,bound", [("int8", 0.02), ("int8g", 0.02), ("int4", 0.15),
+@pytest.mark.parametrize("kind,bound", [("int8", 0.02), ("int8g", 0.02), ("int4", 0.15), ("w8a8", 0.03),
                                         pytest.param("nf4", 0.15, marks=kind_param("nf4").marks)])
 def test_kernel_close_to_original_weight(kind, bound):
     torch.manual_seed(1)

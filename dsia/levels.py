@@ -2,7 +2,7 @@
 a Plan.
 
 A level is a virtual draft model: the target's own weights run with some accelerations switched on. Names:
-`int8`, `int4`, `nf4` (weight-only quantization), `skip0.4` (fraction of sublayers skipped, set searched on
+`int8`, `int4`, `nf4` (weight-only quantization), `w8a8` (int8 weights and activations), `skip0.4` (fraction of sublayers skipped, set searched on
 the fly), `exit24` (exit after layer 24), `sparse0.5` (MLP activation sparsity), `vocab` (reduced head), and
 mixes joined by `+` in any order, e.g. `int4+sparse0.5`, `int4+skip0.2+vocab` (the canonical name orders them
 as STRATEGIES does: quant, skip, exit, sparse, vocab).
@@ -31,7 +31,7 @@ from .vocab import Vocab
 # One line per draft strategy. The order is the canonical order of a mix's name parts, and the order in which
 # the strategies add their switches to a Plan (a later one's head replaces an earlier one's: vocab over quant).
 STRATEGIES: tuple[type[Strategy], ...] = (
-    Quant,  # int8 | int4 | nf4: weight-only quantized copies (quant.py)
+    Quant,  # int8 | int4 | nf4 | w8a8: quantized copies of the linears (quant.py)
     Skip,  # skipR: a searched set of sublayers skipped (skip.py)
     Exit,  # exitL: exit after layer L (exit.py)
     Sparse,  # sparseS: activation-sparse MLPs (sparsity.py)

@@ -2,10 +2,10 @@
 a Plan.
 
 A level is a virtual draft model: the target's own weights run with some accelerations switched on. Names:
-`int8`, `int4`, `nf4` (weight-only quantization), `w8a8` (int8 weights and activations), `skip0.4` (fraction of sublayers skipped, set searched on
-the fly), `exit24` (exit after layer 24), `sparse0.5` (MLP activation sparsity), `vocab` (reduced head), and
-mixes joined by `+` in any order, e.g. `int4+sparse0.5`, `int4+skip0.2+vocab` (the canonical name orders them
-as STRATEGIES does: quant, skip, exit, sparse, vocab).
+`int8`, `int4`, `nf4` (weight-only quantization), `w8a8` (int8 weights and activations), `skip0.4` (fraction of
+sublayers skipped, set searched on the fly), `exit24` (exit after layer 24), `sparse0.5` (MLP activation
+sparsity), `vocab` (reduced head), and mixes joined by `+` in any order, e.g. `int4+sparse0.5`,
+`int4+skip0.2+vocab` (the canonical name orders them as STRATEGIES does: quant, skip, exit, sparse, vocab).
 
 Each strategy is one class in the file of its kernels (see dsia/strategy.py for the interface) and one line of
 STRATEGIES; parsing, naming, errors and the Level below are generic over it.

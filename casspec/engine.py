@@ -246,15 +246,17 @@ class Engine:
     def _pieces(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None) -> Iterator[str]:
         stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
                       kernels=self.kernels)
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
-        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - t0), {}
+        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
         out: list[int] = []
         hold = max((len(s) for s in req.stop), default=1) - 1  # chars a stop string could still claim
         sent = 0
         text = ""
         t0 = time.perf_counter()
         for block in self._decode(prompt_ids, req, stats, policy):
+            if not out:
+                stats.first_token_seconds = time.perf_counter() - start
             for tok in block:
                 out.append(tok)
                 if tok in self.eos_ids:

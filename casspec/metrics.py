@@ -45,10 +45,14 @@ class Metrics:
         self.ttft_sum = 0.0
         self.ttft_count = 0
 
-    def add_generation(self, stats: Stats, finish_reason: str | None) -> None:
-        """A generation that ended: finish_reason is the OpenAI one, or None when it was cancelled."""
+    def add_generation(self, stats: Stats, finish_reason: str | None, first_token_seconds: float) -> None:
+        """A generation that ended: finish_reason is the OpenAI one, or None when it was cancelled;
+        first_token_seconds from its request's arrival (queueing included) to its first token."""
         spec = stats.speculative()
         with self._lock:
+            self.ttft[bisect_left(TTFT_BUCKETS, first_token_seconds)] += 1  # the first bucket whose bound is >=
+            self.ttft_sum += first_token_seconds
+            self.ttft_count += 1
             for key in SPEC_COUNTERS:
                 self.spec[key] += spec[key]
             for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
@@ -60,12 +64,6 @@ class Metrics:
             self.prompt_tokens += stats.prompt_tokens
             self.generation_tokens += stats.new_tokens
             self.generation_seconds += stats.seconds
-
-    def add_first_token(self, seconds: float) -> None:
-        with self._lock:
-            self.ttft[bisect_left(TTFT_BUCKETS, seconds)] += 1  # the first bucket whose bound is >= seconds
-            self.ttft_sum += seconds
-            self.ttft_count += 1
 
     def add_failed(self) -> None:
         with self._lock:
@@ -114,7 +112,7 @@ class Metrics:
                 buckets.append((f'_bucket{{le="{bound}"}}', cumulative))
             buckets += [('_bucket{le="+Inf"}', self.ttft_count), ("_sum", self.ttft_sum), ("_count", self.ttft_count)]
             metric("time_to_first_token_seconds", "histogram", "Seconds from a request's arrival (queueing included) "
-                   "to its first generated text.", buckets)
+                   "to its first generated token.", buckets)
         return "\n".join(out) + "\n"
 
 

@@ -310,12 +310,9 @@ class Scheduler:
                 self.running = None
 
     def _run(self, job: Job) -> None:
-        first = True
+        started = time.perf_counter()
         try:
             for piece in self.engine.stream_ids(job.call.prompt_ids, job.call.request, job.cancel):
-                if first:
-                    self.metrics.add_first_token(time.perf_counter() - job.arrived)
-                    first = False
                 if job.call.stream:
                     job.send("piece", piece)
             result = self.engine.last_result
@@ -328,7 +325,8 @@ class Scheduler:
             self.metrics.add_failed()
             job.send("error", ApiError(500, f"the generation failed ({type(e).__name__}: {e})", "internal_error"))
             return
-        self.metrics.add_generation(result.stats, FINISH_REASONS.get(result.stats.finish_reason))
+        self.metrics.add_generation(result.stats, FINISH_REASONS.get(result.stats.finish_reason),
+                                    started - job.arrived + result.stats.first_token_seconds)
         job.send("done", result)
 
 
@@ -540,11 +538,16 @@ def server(engine: Engine, cfg: ServeConfig, log_level: str = "info") -> uvicorn
 
 
 def serve(engine: Engine, cfg: ServeConfig, sock: socket.socket) -> None:
-    """Serve until interrupted (Ctrl+C: running generations are cancelled, waiting calls get 503)."""
+    """Serve until interrupted (Ctrl+C: uvicorn shuts down gracefully, the running generation is cancelled and
+    waiting calls get 503)."""
     host, port = sock.getsockname()[:2]
     print(f"casspec: serving {cfg.model_name or engine.name} (method {cfg.method}) at http://{host}:{port}/v1 "
           f"(queue {cfg.max_queue}{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
-    server(engine, cfg).run(sockets=[sock])
+    try:
+        server(engine, cfg).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it shut down for
+        pass
+    print("casspec: stopped", file=sys.stderr)
 
 
 @contextmanager

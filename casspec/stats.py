@@ -21,6 +21,7 @@ class Stats:
     new_tokens: int = 0
     seconds: float = 0.0  # wall time of the whole generation, prefill included
     prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0  # from the call to the first token (the prefill's), the levels' set-up included
     draft_seconds: float = 0.0  # the policy's time: drafting, and learning after each step
     verify_seconds: float = 0.0  # target forwards over the trees, acceptance, commits
     target_forwards: int = 0  # target forwards that emitted tokens (the prefill emits the first token)

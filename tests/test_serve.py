@@ -252,6 +252,19 @@ def test_a_disconnect_cancels_and_a_full_queue_answers_429(guarded):
     assert httpx.get(f"{guarded}/health").json()["status"] == "ok"
 
 
+def test_a_blocking_client_that_leaves_cancels_its_generation(guarded):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    cancelled = metrics(guarded)["casspec:request_cancelled_total"] + 1
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting and closes its connection
+        httpx.post(f"{guarded}/v1/completions", headers=auth, timeout=httpx.Timeout(60, read=0.5),
+                   json={"model": "tiny", "prompt": LONG, "max_tokens": 3000, "temperature": 0})
+    deadline = time.monotonic() + 20
+    while (after := metrics(guarded))["casspec:request_cancelled_total"] < cancelled:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert after["casspec:num_requests_running"] == 0
+
+
 # ---------------------------------------------------------------------- load
 def test_eight_concurrent_clients_get_what_each_request_gives_alone(url, engine):
     """8 clients x 3 calls (chat and completions, greedy and seeded sampling, streamed and not), concurrently:

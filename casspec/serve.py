@@ -149,12 +149,9 @@ class Scheduler:
                 if job.call.stream:
                     job.send("piece", piece)
             result = self.engine.last_result
-        except CasspecError as e:
-            self.metrics.add_failed()
-            job.send("error", ApiError(400, str(e), "invalid_parameter"))
-            return
-        except Exception as e:  # a bug or a broken device: report it, keep serving
-            log.exception("generation failed")
+        except Exception as e:  # the call was checked: the server's set-up, a bug or the device. Report, keep serving
+            if not isinstance(e, CasspecError):
+                log.exception("generation failed")
             self.metrics.add_failed()
             job.send("error", ApiError(500, f"the generation failed ({type(e).__name__}: {e})", "internal_error"))
             return

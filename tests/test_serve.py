@@ -202,6 +202,24 @@ def test_more_bad_requests_and_the_server_stays_up(url):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+def test_a_generation_that_fails_is_reported_and_the_server_keeps_serving(url, engine, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    failed = metrics(url)["casspec:request_failed_total"]
+    monkeypatch.setattr(engine, "stream_ids", broken)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 3})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error" and "device lost" in r.text
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 3, "stream": True})
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and "device lost" in json.loads(events[0][6:])["error"]["message"]
+    assert events[-1] == "data: [DONE]"
+    monkeypatch.undo()
+    assert metrics(url)["casspec:request_failed_total"] == failed + 2
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
 def test_api_key(guarded):
     assert httpx.get(f"{guarded}/health").status_code == 200  # health and metrics need no key
     r = httpx.get(f"{guarded}/v1/models")

@@ -1,9 +1,10 @@
-"""`casspec` command line: generate | bench | levels | profile | ablate | tune.
+"""`casspec` command line: generate | serve | bench | levels | profile | ablate | tune.
 
 Bad input: one error line on stderr, exit status 2."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -33,13 +34,17 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "instead of compiling each into one kernel (torch.compile)")
 
 
+RUNTIME_ONLY = ("generate", "serve")  # commands that run casspec's runtime alone: no HF model, and they keep what
+# generations learn in the user cache (bench and ablate start fresh, so that their rows do not depend on earlier runs)
+
+
 def _engine(args: argparse.Namespace):
     """The engine the common arguments ask for (the slow part: loading, kernel choice)."""
     from .engine import Engine
 
     return Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context,
                                   kernels=args.kernels, autoprofile=not getattr(args, "no_autoprofile", True),
-                                  keep_state=args.command == "generate", hf=args.command != "generate",
+                                  keep_state=args.command in RUNTIME_ONLY, hf=args.command not in RUNTIME_ONLY,
                                   graphs=False if args.no_graphs else None,
                                   compile_pointwise=False if args.no_compile else None)
 
@@ -63,25 +68,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="casspec", description="Lossless self-speculative decoding.")
     parser.add_argument("--version", action="version", version=f"casspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_generate_args, _bench_args, _levels_args, _profile_args, _ablate_args, _tune_args):
+    for add in (_generate_args, _serve_args, _bench_args, _levels_args, _profile_args, _ablate_args, _tune_args):
         add(sub)
     return parser
 
 
-def _generate_args(sub) -> None:
+def _method_args(p: argparse.ArgumentParser) -> None:
+    """The decoding method and its sources (generate, serve)."""
     from dytc.sources import BOTTOMS
 
     from .methods import METHODS
 
+    p.add_argument("--method", default="dytc", help=f"decoding method: {', '.join(METHODS)} (default dytc)")
+    p.add_argument("--level", default="int4", help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
+    p.add_argument("--levels", default=None, help="comma-separated sources of vc / dytc (e.g. int4,int8) or hc "
+                   "segments (e.g. int4*4,int4+vocab*3,pld*3); default: the method's own")
+    p.add_argument("--bottom", default=DEFAULT_BOTTOM, choices=list(BOTTOMS), help="statistical lookups beneath "
+                   f"the levels of vc, tree+vc, vc+hc, dytc (default {DEFAULT_BOTTOM})")
+
+
+def _levels_list(levels: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in levels.split(",") if x.strip()) if levels else ()
+
+
+def _generate_args(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     g.add_argument("prompt")
     _common(g)
-    g.add_argument("--method", default="dytc", help=f"decoding method: {', '.join(METHODS)} (default dytc)")
-    g.add_argument("--level", default="int4", help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
-    g.add_argument("--levels", default=None, help="comma-separated sources of vc / dytc (e.g. int4,int8) or hc "
-                   "segments (e.g. int4*4,int4+vocab*3,pld*3); default: the method's own")
-    g.add_argument("--bottom", default=DEFAULT_BOTTOM, choices=list(BOTTOMS), help="statistical lookups beneath "
-                   f"the levels of vc, tree+vc, vc+hc, dytc (default {DEFAULT_BOTTOM})")
+    _method_args(g)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -91,6 +105,21 @@ def _generate_args(sub) -> None:
     g.add_argument("--no-chat", action="store_true", help="raw continuation, no chat template")
     g.add_argument("--stats", action="store_true", help="print set-up and generation stats to stderr")
     _autoprofile(g)
+
+
+def _serve_args(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs casspec[serve])")
+    _common(s)
+    _method_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed)")
+    s.add_argument("--max-queue", type=int, default=32, help="requests that may wait while one generates; one "
+                   "more gets 429 with Retry-After (default 32)")
+    s.add_argument("--api-key", default=os.environ.get("CASSPEC_API_KEY"), help="require 'Authorization: Bearer "
+                   "KEY' on /v1/* (default: $CASSPEC_API_KEY; none: no key)")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
+                   "checkpoint's name)")
+    _autoprofile(s)
 
 
 def _bench_args(sub) -> None:
@@ -170,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise CasspecError("the prompt is empty: pass some text")
-    levels = tuple(x.strip() for x in args.levels.split(",") if x.strip()) if args.levels else ()
+    levels = _levels_list(args.levels)
     # validate everything before the (slow) load
     Request(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
             stop=tuple(args.stop), seed=args.seed, method=args.method, level=args.level, levels=levels,
@@ -188,6 +217,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats:
         print(engine.last_result.stats.setup_summary(), file=sys.stderr)
         print(engine.last_result.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .serve import ServeConfig, bind, serve
+    except ImportError as e:
+        raise CasspecError(f"casspec serve needs its extra ({e.name} is missing): pip install 'casspec[serve]'") \
+            from None
+    # validate everything and take the port before the (slow) load
+    cfg = ServeConfig(model_name=args.served_model_name, method=args.method, level=args.level,
+                      levels=_levels_list(args.levels), bottom=args.bottom, max_queue=args.max_queue,
+                      api_key=args.api_key)
+    sock = bind(args.host, args.port)
+    serve(_engine(args), cfg, sock)
     return 0
 
 
@@ -272,8 +316,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "levels": cmd_levels, "profile": cmd_profile,
-            "ablate": cmd_ablate, "tune": cmd_tune}
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "levels": cmd_levels,
+            "profile": cmd_profile, "ablate": cmd_ablate, "tune": cmd_tune}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,11 +3,20 @@
 Invariant: the KV cache holds every committed token except the last one (the tree root); each step runs ONE
 target forward over [root, draft nodes...], accepts a path, commits the path's KV and emits the accepted
 draft tokens plus the target's own next token (the bonus token), which becomes the next root.
+
+Threads: one engine runs one generation at a time (one KV cache; shared levels, acceptance and latency state).
+`generate`, `generate_ids`, `stream_ids`, `encode` and `decode` may be called from several threads: a generation
+holds the engine's lock from its first step to its last (a stream: until it is read to the end or closed), and
+a second thread's generation waits for it; a thread that starts a generation while its own earlier stream is
+unfinished gets a CasspecError (waiting would deadlock). `last_result` is per thread. The measuring tools
+(bench, profile, levels, autoprofile) drive the cache directly and own the engine while they run.
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
+from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
@@ -74,7 +83,9 @@ class Engine:
         if learned is not None:
             self.latency, self.latency_source = learned, self.latency_source + ", refined by earlier runs"
         self.drafters = Drafters(self.levels, trackers, self.device.type)  # what the methods' policies draw on
-        self.last_result: Result | None = None  # the Result of the latest generation (also when streamed)
+        self._lock = threading.Lock()  # held by the generation that runs (see the module's docstring)
+        self._owner: int | None = None  # the thread that holds it
+        self._local = threading.local()  # per thread: the Result of its latest generation
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
@@ -90,6 +101,11 @@ class Engine:
                      autoprofile=autoprofile, keep_state=keep_state)
         engine.setup = {"load": load_s, **engine.setup}
         return engine
+
+    @property
+    def last_result(self) -> Result | None:
+        """The Result of this thread's latest generation (also when streamed; None before the first)."""
+        return getattr(self._local, "result", None)
 
     @property
     def device(self) -> torch.device:
@@ -175,16 +191,27 @@ class Engine:
         req = Request(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                       stop=tuple(stop or ()), seed=seed, method=method, level=level, levels=tuple(levels),
                       bottom=bottom)
-        ids = self._checked(self.encode(prompt, chat))
+        ids = self.prompt_ids(prompt, chat)
         if stream:
             return self._stream(ids, req)
         return self.generate_ids(ids, req)
 
     def generate_ids(self, prompt_ids: Sequence[int], req: Request) -> Result:
         """Generate from token ids (the bench and tests use this to skip templating)."""
-        for _ in self._stream(self._checked(list(prompt_ids)), req):
+        for _ in self.stream_ids(prompt_ids, req):
             pass
         return self.last_result
+
+    def stream_ids(self, prompt_ids: Sequence[int], req: Request,
+                   cancel: threading.Event | None = None) -> Iterator[str]:
+        """Generate from token ids, yielding text pieces as the steps commit them (the Result is then
+        `engine.last_result`). Once `cancel` is set the generation stops after the step that is running
+        (finish_reason "cancelled"). The prompt is checked now, before the first step."""
+        return self._stream(self._checked(list(prompt_ids)), req, cancel)
+
+    def prompt_ids(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """The token ids of a prompt (see `encode`), checked to be non-empty and to fit the context window."""
+        return self._checked(self.encode(prompt, chat))
 
     def _checked(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -194,19 +221,42 @@ class Engine:
                                " shorten the prompt")
         return ids
 
+    # ------------------------------------------------------------------ one generation at a time
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the engine for one generation: another thread waits; this thread, if it already holds it (an
+        unfinished stream), gets an error instead of a deadlock."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise CasspecError("this thread has an unfinished generation on this engine (a stream not read to its"
+                               " end): finish it or close() it first")
+        self._lock.acquire()
+        self._owner = me
+        try:
+            yield
+        finally:
+            self._owner = None
+            self._lock.release()  # (a plain Lock: a stream closed by another thread may release it)
+
+    def _stream(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None = None) -> Iterator[str]:
+        with self._exclusive():
+            yield from self._pieces(prompt_ids, req, cancel)
+
     # ------------------------------------------------------------------ text and stops
-    def _stream(self, prompt_ids: list[int], req: Request) -> Iterator[str]:
+    def _pieces(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None) -> Iterator[str]:
         stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
                       kernels=self.kernels)
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
-        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - t0), {}
+        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
         out: list[int] = []
         hold = max((len(s) for s in req.stop), default=1) - 1  # chars a stop string could still claim
         sent = 0
         text = ""
         t0 = time.perf_counter()
         for block in self._decode(prompt_ids, req, stats, policy):
+            if not out:
+                stats.first_token_seconds = time.perf_counter() - start
             for tok in block:
                 out.append(tok)
                 if tok in self.eos_ids:
@@ -231,6 +281,9 @@ class Engine:
             if safe > sent:
                 yield text[sent:safe]
                 sent = safe
+            if cancel is not None and cancel.is_set():  # checked between steps: the next one does not start
+                stats.finish_reason = "cancelled"
+                break
         if stats.finish_reason != "stop":
             text = self.decode(out)
         stats.new_tokens = len(out)
@@ -239,7 +292,7 @@ class Engine:
             stats.kernels += f"; {self.graphs.stats}"
         if not stats.finish_reason:
             stats.finish_reason = "context"
-        self.last_result = Result(text=text, token_ids=out, stats=stats)
+        self._local.result = Result(text=text, token_ids=out, stats=stats)
         if self.state is not None:
             self.state.save(self.latency, self._state_origin, self.drafters.trackers)
         if len(text) > sent:

@@ -21,13 +21,14 @@ class Stats:
     new_tokens: int = 0
     seconds: float = 0.0  # wall time of the whole generation, prefill included
     prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0  # from the call to the first token (the prefill's), the levels' set-up included
     draft_seconds: float = 0.0  # the policy's time: drafting, and learning after each step
     verify_seconds: float = 0.0  # target forwards over the trees, acceptance, commits
     target_forwards: int = 0  # target forwards that emitted tokens (the prefill emits the first token)
     draft_forwards: int = 0  # draft-level forwards (0 for ar and pld)
     draft_forward_seconds: float = 0.0  # their time; the rest of draft_seconds is the policy's own overhead
     tree_nodes: int = 0  # draft nodes verified, over all steps (root excluded)
-    finish_reason: str = ""  # eos | stop | length | context
+    finish_reason: str = ""  # eos | stop | length | context | cancelled
     latency: str = ""  # where the latency predictor comes from (a profile, or online fitting)
     kernels: str = ""  # which dense kernel ran the target's products, by token count, and where the choice came from
     predicted_verify_seconds: float = 0.0  # what the predictor expected the verification forwards to take
@@ -73,6 +74,22 @@ class Stats:
     def policy_ms_per_step(self) -> float:
         """The drafting policy's own time per verification step, outside level forwards."""
         return policy_ms_per_step(self.draft_seconds, self.draft_forward_seconds, self.target_forwards - 1)
+
+    def speculative(self) -> dict:
+        """The generation's speculative statistics, keyed like vLLM's spec_decode metrics (the server's per-request
+        `casspec` object; its /metrics counters are sums of these). num_drafts: verification steps, one draft tree
+        each (a fallback step verifies the root alone); num_draft_tokens: their draft nodes; num_accepted_tokens:
+        draft tokens accepted; num_accepted_tokens_per_pos[d]: steps whose accepted path reached depth d+1. By
+        source where the policy reports sources (dytc)."""
+        return {"method": self.method, "target_forwards": self.target_forwards,
+                "mean_accepted_tokens": self.mean_accepted_tokens,
+                "num_drafts": max(self.target_forwards - 1, 0), "num_draft_tokens": self.tree_nodes,
+                "num_accepted_tokens": sum(self.accepted_by_depth),
+                "num_accepted_tokens_per_pos": list(self.accepted_by_depth),
+                "drafted_by_source": dict(self.policy.get("drafted_by_source", {})),
+                "accepted_by_source": dict(self.policy.get("accepted_by_source", {})),
+                "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
+                "verify_seconds": self.verify_seconds, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
 
     def as_dict(self) -> dict:
         d = dict(vars(self))

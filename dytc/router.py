@@ -128,6 +128,7 @@ class DyTC(Policy):
                 "drafted_by_source": dict(self.drafted),
                 "acceptance_by_source": {s: (k / n if n else 0.0) for s, (n, k) in self.outcomes.items()},
                 "tested_by_source": {s: n for s, (n, _) in self.outcomes.items()},
+                "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
                 "predicted_draft_ms": round(self.predicted_draft_ms, 1),
                 "measured_draft_ms": round(self.measured_draft_ms, 1)}
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from casspec.engine import Request
+from dsia.errors import CasspecError
 from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 from tiny import ARCHS, KERNELS, tiny_engine
@@ -147,3 +148,49 @@ def test_stats_split_draft_time_into_level_forwards_and_policy_overhead():
     assert "ms/step" in st.summary() and st.as_dict()["policy_ms_per_step"] == st.policy_ms_per_step
     ar = e.generate_ids([5, 6, 7], Request(max_new_tokens=5))
     assert ar.stats.draft_forward_seconds == 0.0 and ar.stats.draft_forwards == 0
+
+
+def test_threads_share_one_engine_one_generation_at_a_time():
+    """Generations from several threads wait for each other and give what each gives alone; last_result is per
+    thread; a thread whose own stream is unfinished gets a clear error instead of a deadlock."""
+    import threading
+
+    e = tiny_engine()
+    jobs = [(f"w{5 + i} w{20 + i} w{40 + i}",
+             dict(method="dytc" if i % 2 else "ar", seed=i, temperature=0.8 * (i % 3 == 0))) for i in range(6)]
+    alone = [e.generate(p, max_new_tokens=12, **kw).token_ids for p, kw in jobs]
+    got: dict[int, tuple[list[int], list[int], bool]] = {}
+
+    def run(i: int) -> None:
+        p, kw = jobs[i]
+        pieces = list(e.generate(p, max_new_tokens=12, stream=True, **kw))  # holds the engine while it streams
+        res = e.last_result
+        got[i] = (res.token_ids, e.generate(p, max_new_tokens=12, **kw).token_ids, "".join(pieces) == res.text)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got[i][:2] for i in range(len(jobs))] == [(a, a) for a in alone] and all(g[2] for g in got.values())
+    stream = e.generate("w5 w6 w7", max_new_tokens=12, stream=True)
+    next(stream)
+    with pytest.raises(CasspecError, match="unfinished generation"):
+        e.generate("w5 w6 w7", max_new_tokens=4)
+    stream.close()  # releases the engine
+    assert e.generate("w5 w6 w7", max_new_tokens=4).stats.new_tokens == 4
+
+
+def test_cancel_stops_a_stream_after_the_running_step():
+    import threading
+
+    e = tiny_engine()
+    ids = e.encode("w10 w20 w30 w40")
+    cancel = threading.Event()
+    pieces = []
+    for piece in e.stream_ids(ids, Request(max_new_tokens=200, method="ar"), cancel):
+        pieces.append(piece)
+        cancel.set()  # after the prefill's token: no verification step starts
+    res = e.last_result
+    assert res.stats.finish_reason == "cancelled" and len(res.token_ids) == 1 and res.stats.target_forwards == 1
+    assert "".join(pieces) == res.text == e.decode(res.token_ids)

@@ -234,14 +234,20 @@ class DyTC(Policy):
             else:
                 continue
             for review, reviewed, first_tokens, first_accept, first_cost in variants:
+                # the best segment length k (one Action per variant: the router's own time stays small)
+                best_rate, best_k = 0.0, 0
+                scale = node.p * first_accept / accept
                 for k in range(1, limit + 1):
                     tokens = first_tokens + k - 1  # expected tokens of the segment
                     if tokens > limit:
                         break
-                    gain = node.p * first_accept / accept * geometric(accept, tokens)
+                    gain = scale * geometric(accept, tokens)
                     cost = first_cost + (k - 1) * cost_ms[1]
                     rate = (expected + gain) / (step.spent + cost + step.verify_ms[N + int(round(tokens))])
-                    yield Action(rate, n, name, k, review, reviewed)
+                    if rate > best_rate:
+                        best_rate, best_k = rate, k
+                if best_k:
+                    yield Action(best_rate, n, name, best_k, review, reviewed)
 
     def _first_forwards(self, step: Step, n: int, name: str,
                         n_max: int) -> list[tuple[int, str, float, float, float]]:
@@ -264,11 +270,15 @@ class DyTC(Policy):
         node, N = step.nodes[n], len(step.tree)
         for lookup, (tokens, match) in (node.proposals or {}).items():
             accept = self.tracker.estimate(lookup, match)
-            gain, prob = 0.0, node.p
+            gain, prob, best_rate, best_k = 0.0, node.p, 0.0, 0
             for k in range(1, min(len(tokens), n_max - N, max_depth - node.depth) + 1):
                 prob *= accept
                 gain += prob
-                yield Action((expected + gain) / (step.spent + step.verify_ms[N + k]), n, lookup, k)
+                rate = (expected + gain) / (step.spent + step.verify_ms[N + k])
+                if rate > best_rate:
+                    best_rate, best_k = rate, k
+            if best_k:
+                yield Action(best_rate, n, lookup, best_k)
 
     def _pending(self, step: Step, n: int, level: str) -> list[int]:
         """Nodes on the path to n whose KV `level` cannot read (they need its forward first)."""

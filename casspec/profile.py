@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from dsia.errors import CasspecError
+from dsia.kernels import time_ms
 from dsia.levels import LevelConfig
 from dsia.vocab import VocabConfig
 from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyModel, Point, heldout_mape, machine_info,
@@ -63,23 +64,9 @@ AUTO = QUICK
 STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _tree_parents(n: int) -> list[int]:
     """A binary tree in node order: node i's parent is (i - 1) // 2."""
     return [-1] + [(i - 1) // 2 for i in range(1, n)]
-
-
-def _time_ms(fn, device: torch.device) -> float:
-    """Milliseconds of one call, synchronised."""
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return (time.perf_counter() - t0) * 1e3
 
 
 def fits(engine: Engine, cfg: ProfileConfig) -> bool:
@@ -132,7 +119,7 @@ def _rounds(calls: list[Call], cfg: ProfileConfig, dev: torch.device, bar: tqdm,
             bar.update(len(calls) * (cfg.warmup + cfg.repeats - r))  # the rounds left out
             break
         for i, (_, _, _, fn) in enumerate(calls):
-            ms = _time_ms(fn, dev)
+            ms = time_ms(fn, dev)
             if r >= cfg.warmup:
                 times[i].append(ms)
                 bar.update(1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dsia.errors import CasspecError
-from dsia.kernels import BUCKETS, DenseKernels, choose, measure
+from dsia.kernels import BUCKETS, DenseKernels, choose, measure, time_ms
 from dsia.model import Transformer
 from dytc.latency import machine_info
 
@@ -73,16 +73,8 @@ def format_tuning(rec: dict) -> str:
 def read_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """The machine's streaming read bandwidth (GB/s): a reduction over an `nbytes` buffer (the best of `repeats`)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run pays page faults and lazy initialisation
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        buf.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    best_ms = min(time_ms(buf.sum, device) for _ in range(repeats + 1))  # (the first run pays page faults)
+    return nbytes / (best_ms / 1e3) / 1e9
 
 
 def floor_ms(model: Transformer, gbs: float) -> float:

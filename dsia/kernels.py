@@ -45,6 +45,18 @@ def candidates(dtype: torch.dtype, device: torch.device | str) -> dict[str, Dens
     return {name: fn for name, fn in KERNELS.items() if name == "blas" or onednn}
 
 
+def time_ms(fn: Callable[[], object], device: torch.device | str) -> float:
+    """Milliseconds of one call of fn, synchronised on a GPU (the one timer of every measurement)."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def bucket_of(tokens: int) -> int:
     """Index of the bucket a product over `tokens` rows falls in."""
     return next((i for i, top in enumerate(BUCKETS) if tokens <= top), len(BUCKETS) - 1)
@@ -105,13 +117,9 @@ def measure(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.dev
         xs = [torch.randn(T, w.shape[1], generator=gen).to(dtype=dtype, device=device) for w in weights]
         for r in range(repeats + 1):  # the first pass warms up
             for name, fn in kernels.items():
-                t0 = time.perf_counter()
-                for x, w in zip(xs, weights):
-                    fn(x, w, None)
-                if torch.device(device).type == "cuda":
-                    torch.cuda.synchronize(device)
+                ms = time_ms(lambda: [fn(x, w, None) for x, w in zip(xs, weights)], device)
                 if r:
-                    times[name][j].append((time.perf_counter() - t0) * 1e3)
+                    times[name][j].append(ms)
     return {name: [statistics.median(ms) for ms in per_bucket] for name, per_bucket in times.items()}
 
 

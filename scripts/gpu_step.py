@@ -14,13 +14,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
 from casspec.engine import Engine
 from casspec.loading import load
 from casspec.tune import floor_ms, read_gbs
+from dsia.kernels import time_ms
 from dytc.latency import machine_info
 
 
@@ -34,17 +34,9 @@ def step_ms(engine: Engine, context: int, T: int, repeats: int) -> float:
     dev = engine.device
     tok = torch.randint(3, 1000, (T,), device=dev)
     pos = torch.arange(context, context + T, device=dev)
-    times = []
-    for r in range(repeats + 3):  # 3 warm-up calls: the graph is captured at the second
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        engine.model.forward(engine.cache, tok, pos, context)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        if r >= 3:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    times = [time_ms(lambda: engine.model.forward(engine.cache, tok, pos, context), dev)
+             for _ in range(repeats + 3)]
+    return statistics.median(times[3:])  # 3 warm-up calls: the graph is captured at the second
 
 
 def main(argv: list[str] | None = None) -> int:

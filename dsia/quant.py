@@ -46,6 +46,9 @@ HEAD_KINDS = KINDS + ("int8g",)  # LM head kinds
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 NF4_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes.functional.quantize_4bit accepts
 HEAD = "head"  # key of the LM head in QuantizedLinears.kinds
+# w8a8: fbgemm quantizes the activations to 7 bits when True (AVX2's 16-bit multiply-adds can saturate on 8x8 bits);
+# with AVX512-VNNI 8 bits do not saturate and draft more exactly (on AVX2 alone a saturated draft is only rejected)
+W8A8_REDUCE_RANGE = False
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,6 @@ class W8A8Linear:
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(q, None)  # fbgemm's packed layout, opaque
-        self.out_features = w.shape[0]
         self._nbytes = w.numel() + 8 * w.shape[0]  # int8 weights and float64 scales
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -209,11 +211,6 @@ class W8A8Linear:
     @property
     def nbytes(self) -> int:
         return self._nbytes
-
-
-# fbgemm quantizes the activations to 7 bits when True (AVX2's 16-bit multiply-adds saturate on 8x8 bits); with
-# AVX512-VNNI 8 bits are safe and draft more exactly
-W8A8_REDUCE_RANGE = False
 
 
 @functools.cache

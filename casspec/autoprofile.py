@@ -26,10 +26,11 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
-def profile_key(machine: dict, model: str, dtype: str) -> dict:
-    """Everything a profile's timings depend on."""
+def profile_key(machine: dict, model: str, dtype: str, kernels: str = "") -> dict:
+    """Everything a profile's timings depend on (kernels: the target's dense kernels, `DenseKernels.describe`)."""
     return {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
-            "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype}
+            "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype,
+            "kernels": kernels}
 
 
 def profile_path(key: dict) -> Path:

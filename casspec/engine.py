@@ -77,7 +77,8 @@ class Engine:
         t0 = time.perf_counter()
         self.latency, self.latency_source = self._latency_model(autoprofile)
         self.setup["profile"] = time.perf_counter() - t0
-        self.state = StateFile.of(machine_info(self.device.type), self.name, self._dtype_name) if keep_state else None
+        self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, dense.describe())
+                      if keep_state else None)
         self._state_origin = self.latency_source  # the latency model the kept state grew from
         learned, trackers = self.state.load(self._state_origin) if self.state else (None, {})
         if learned is not None:
@@ -124,10 +125,11 @@ class Engine:
         one made on first use, measured now if need be); without one, an empty model that learns online from
         this engine's own timings."""
         machine = machine_info(self.device.type)
-        path = select_profile(machine, self.name, self._dtype_name)
+        kernels = self.model.dense.describe()
+        path = select_profile(machine, self.name, self._dtype_name, kernels)
         if path is not None:
             return LatencyModel.from_json(json.loads(path.read_text())["predictor"]), f"profile {path.name}"
-        key = profile_key(machine, self.name, self._dtype_name)
+        key = profile_key(machine, self.name, self._dtype_name, kernels)
         prof = run_autoprofile(self, key) if autoprofile else cached_profile(key)
         if prof is not None:
             return LatencyModel.from_json(prof["predictor"]), f"profile made on first use ({prof['created']})"

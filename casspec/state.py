@@ -26,12 +26,13 @@ STATE_VERSION = 1  # bump when the layout of the file changes: older files are t
 @dataclass(frozen=True)
 class StateFile:
     path: Path
-    key: dict  # machine, model and dtype: the file is only read back under the same key
+    key: dict  # machine, model, dtype and dense kernels: the file is only read back under the same key
 
     @staticmethod
-    def of(machine: dict, model: str, dtype: str) -> "StateFile":
+    def of(machine: dict, model: str, dtype: str, kernels: str = "") -> "StateFile":
         key = {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
-               "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype}
+               "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype,
+               "kernels": kernels}
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model)[:60]
         return StateFile(cache_root() / "state" / f"{slug}-{dtype}-{digest(key)}.json", key)
 

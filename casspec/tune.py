@@ -25,7 +25,7 @@ KERNELS_FILE = "kernels.json"  # in the user cache: key -> {"names", "timings_ms
 
 
 def weight_shapes(model: Transformer) -> list[tuple[int, int]]:
-    """[out, in] of one layer's projections and of the LM head: what one timing pass multiplies."""
+    """[out, in] of one layer's projections and of the LM head (with the layer count, the model's shape key)."""
     lw = model.layers[0]
     return [tuple(w.shape) for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down, model.lm_head)]
 
@@ -35,7 +35,7 @@ def tuning_key(model: Transformer) -> str:
     m = machine_info(model.device.type)
     return json.dumps({"cpu": m["cpu"], "flags": m["cpu_flags"], "gpu": m["gpu"], "torch": m["torch"],
                        "threads": m["threads"], "dtype": str(model.dtype), "device": model.device.type,
-                       "shapes": weight_shapes(model)}, sort_keys=True)
+                       "shapes": weight_shapes(model), "layers": len(model.layers)}, sort_keys=True)
 
 
 def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = False) -> tuple[DenseKernels, dict]:
@@ -51,7 +51,7 @@ def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = 
             return DenseKernels(tuple(rec["names"])), dict(rec, source="cached")
         except CasspecError:
             pass  # a kernel this version does not know: measure again
-    timings = measure(weight_shapes(model), model.dtype, model.device)
+    timings = measure(model.dense_weights())
     chosen = choose(timings)
     rec = {"names": list(chosen.names), "timings_ms": timings, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     store[key] = rec
@@ -60,7 +60,8 @@ def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = 
 
 
 def format_tuning(rec: dict) -> str:
-    """The timing table behind a choice: ms of one layer's products + head per kernel and token bucket."""
+    """The timing table behind a choice: ms of one pass over every projection and the head, per kernel and token
+    bucket."""
     timings = rec["timings_ms"]
     head = "| tokens | " + " | ".join(f"{k} ms" for k in timings) + " | chosen |"
     lines = [head, "|" + "---|" * (len(timings) + 2)]

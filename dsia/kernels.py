@@ -1,16 +1,19 @@
 """The dense kernels of the target's linears (and LM head), chosen per token count by measurement.
 
 Every candidate computes x @ w.T (+ b) in the weights' own dtype, so whichever runs, the forward is the target's;
-they differ only in speed, and which is faster depends on the CPU: oneDNN's inner product (the op torch.compile's
-CPU backend emits) read the row-major float32 weights 1.5-2x faster than BLAS for the few-token products of
-decoding on an AMD EPYC with AVX512-BF16, and about 1.9x slower than BLAS on an Intel Xeon with AMX and a 300 MB
-L3. So the choice is measured on the machine it runs on (`measure` + `choose`), per token-count bucket, and
-cached by the caller (casspec/tune.py).
+they differ only in speed, and which is faster depends on the CPU and the token count: oneDNN's inner product (the
+op torch.compile's CPU backend emits) read the row-major float32 weights 1.5-2x faster than BLAS for the few-token
+products of decoding on an AMD EPYC with AVX512-BF16, and about 1.9x slower than BLAS on an Intel Xeon with AMX and
+a 300 MB L3; there MKL's sgemm over weights packed once (`mkl`) verified a 14-token tree in 50 ms where BLAS took
+80, but one token in 40 ms where BLAS took 28. So the choice is measured on the machine it runs on (`measure` +
+`choose`), per token-count bucket, and cached by the caller (casspec/tune.py). Their float32 results differ from
+BLAS's in the last bits (another summation order), as a tree verification's do from a one-token step's.
 """
 from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +24,8 @@ from torch import Tensor
 from .errors import CasspecError
 
 DenseFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # x [T, in], w [out, in], b [out] | None -> [T, out]
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # token-count buckets (upper bounds); larger counts use the last one
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # token-count buckets (upper bounds); larger counts (prompts) use the last
+MKL_PACK_ROWS = 16  # the row count MKL is told when packing a weight; the packed layout serves any row count
 
 
 def _onednn_available() -> bool:
@@ -35,14 +39,47 @@ def _onednn(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
 
 
-KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn}  # every dense kernel by name
+def _mkl_available() -> bool:
+    try:
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedSgemm:
+    """MKL's sgemm (cblas_sgemm_compute) over each weight packed once into MKL's blocked layout (cblas_sgemm_pack,
+    through the ops torch.compile's CPU backend emits for frozen float32 linears). A weight is packed on its first
+    product, or ahead by `pack`; the packed copy (about the weight's size) lives as long as the weight does."""
+
+    def __init__(self) -> None:
+        self._packed: dict[int, Tensor] = {}  # id(weight) -> its packed copy
+
+    def pack(self, w: Tensor) -> Tensor:
+        packed = self._packed.get(id(w))
+        if packed is None:
+            packed = self._packed[id(w)] = torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), MKL_PACK_ROWS)
+            weakref.finalize(w, self._packed.pop, id(w), None)  # (an id is reused once its weight is gone)
+        return packed
+
+    def drop(self, w: Tensor) -> None:
+        self._packed.pop(id(w), None)
+
+    def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        x = x.contiguous()  # [T, in]
+        return torch.ops.mkl._mkl_linear(x, self.pack(w), w, b, x.shape[0])  # [T, out]
+
+
+FLOAT32_CPU_ONLY = ("onednn", "mkl")  # kernels that compute float32 on a CPU only; other products go to BLAS
+_PACKED = PackedSgemm()  # the one store of packed weights
+KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn, "mkl": _PACKED}  # every dense kernel by name
 
 
 def candidates(dtype: torch.dtype, device: torch.device | str) -> dict[str, DenseFn]:
-    """The kernels that compute in `dtype` on this device: BLAS `F.linear` always; oneDNN's inner product for
-    float32 on a CPU where torch has it."""
-    onednn = torch.device(device).type == "cpu" and dtype == torch.float32 and _onednn_available()
-    return {name: fn for name, fn in KERNELS.items() if name == "blas" or onednn}
+    """The kernels that compute in `dtype` on this device: BLAS `F.linear` always; for float32 on a CPU, oneDNN's
+    inner product and MKL's packed sgemm where torch has them."""
+    cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    ok = {"blas": True, "onednn": cpu32 and _onednn_available(), "mkl": cpu32 and _mkl_available()}
+    return {name: fn for name, fn in KERNELS.items() if ok[name]}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device | str) -> float:
@@ -76,9 +113,18 @@ class DenseKernels:
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """x [..., in] @ w [out, in]^T (+ b) -> [..., out]."""
         name = self.names[bucket_of(x.shape[0])] if x.dim() == 2 else "blas"
-        if name == "onednn" and (x.dtype != torch.float32 or x.device.type != "cpu"):
+        if name in FLOAT32_CPU_ONLY and (x.dtype != torch.float32 or x.device.type != "cpu"):
             name = "blas"  # a product outside the measured dtype/device (e.g. a bf16 copy) goes to BLAS
         return KERNELS[name](x, w, b)
+
+    def prepare(self, weights: list[Tensor]) -> None:
+        """Pack ahead the weights a chosen kernel keeps in its own layout (set-up time, not the first step's), and
+        free the packed copies of those no chosen kernel reads (e.g. packed while measuring)."""
+        for w in weights:
+            if "mkl" in self.names and w.dtype == torch.float32 and w.device.type == "cpu":
+                _PACKED.pack(w)
+            elif "mkl" not in self.names:
+                _PACKED.drop(w)
 
     @staticmethod
     def default(dtype: torch.dtype, device: torch.device | str) -> "DenseKernels":
@@ -104,20 +150,20 @@ class DenseKernels:
 
 
 @torch.inference_mode()
-def measure(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device | str, repeats: int = 7,
-            seed: int = 0) -> dict[str, list[float]]:
-    """Milliseconds of one pass over every [out, in] weight shape in `shapes` (e.g. one layer's projections and
-    the LM head), per candidate kernel and bucket: {kernel: [ms per bucket]}, the median of `repeats` passes,
-    kernels interleaved so that machine drift hits them alike. Random weights: only the shapes matter."""
+def measure(weights: list[Tensor], repeats: int = 5, seed: int = 0) -> dict[str, list[float]]:
+    """Milliseconds of one pass over `weights` [out, in] (a model's own: every projection of every layer and the
+    LM head, so that the pass streams them from memory as a forward does; a few layers' alone would sit in a
+    large L3 and favour another kernel), per candidate kernel and bucket: {kernel: [ms per bucket]}, the median
+    of `repeats` passes (3 for the prompt bucket), kernels interleaved so that machine drift hits them alike."""
+    dtype, device = weights[0].dtype, weights[0].device
     gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(o, i, generator=gen).to(dtype=dtype, device=device) for o, i in shapes]
     kernels = candidates(dtype, device)
     times: dict[str, list[list[float]]] = {k: [[] for _ in BUCKETS] for k in kernels}
     for j, T in enumerate(BUCKETS):
-        xs = [torch.randn(T, w.shape[1], generator=gen).to(dtype=dtype, device=device) for w in weights]
-        for r in range(repeats + 1):  # the first pass warms up
+        xs = {i: torch.randn(T, i, generator=gen).to(dtype=dtype, device=device) for i in {w.shape[1] for w in weights}}
+        for r in range((repeats if T <= 64 else 3) + 1):  # the first pass warms up (and packs)
             for name, fn in kernels.items():
-                ms = time_ms(lambda: [fn(x, w, None) for x, w in zip(xs, weights)], device)
+                ms = time_ms(lambda: [fn(xs[w.shape[1]], w, None) for w in weights], device)
                 if r:
                     times[name][j].append(ms)
     return {name: [statistics.median(ms) for ms in per_bucket] for name, per_bucket in times.items()}

@@ -190,10 +190,17 @@ class Transformer:
                            model.lm_head.weight.data, rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
 
     def with_dense(self, dense: DenseKernels) -> "Transformer":
-        """The same weights and RoPE tables (nothing is copied), its dense products run by `dense`."""
+        """The same weights and RoPE tables, its dense products run by `dense` (which packs ahead the weights a
+        chosen kernel keeps in its own layout: the only copies made)."""
         other = copy.copy(self)
         other.dense = dense
+        dense.prepare(self.dense_weights())
         return other
+
+    def dense_weights(self) -> list[Tensor]:
+        """Every weight the target's dense kernels multiply: each layer's projections, then the LM head."""
+        return [w for lw in self.layers for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down)] + [
+            self.lm_head]
 
     def with_graphs(self, graphs: Graphs | None) -> "Transformer":
         """The same weights, small forwards on graphs' cache replayed from CUDA graphs (None: eager)."""

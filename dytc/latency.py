@@ -301,8 +301,10 @@ def default_profiles() -> Path:
         return Path(__file__).resolve().parent.parent / "profiles"
 
 
-def select_profile(machine: dict, model: str, dtype: str, folder: str | Path | None = None) -> Path | None:
-    """The newest profile in `folder` measured on this CPU model and GPU, for this model and dtype, else None."""
+def select_profile(machine: dict, model: str, dtype: str, kernels: str | None = None,
+                   folder: str | Path | None = None) -> Path | None:
+    """The newest profile in `folder` measured on this CPU model and GPU, for this model and dtype, with these
+    dense kernels (a profile that does not record its kernels matches any), else None."""
     folder = Path(folder) if folder is not None else default_profiles()
     best: tuple[str, Path] | None = None
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -310,7 +312,8 @@ def select_profile(machine: dict, model: str, dtype: str, folder: str | Path | N
             prof = json.loads(path.read_text())
             m = prof["machine"]
             ok = (prof.get("version") == PROFILE_VERSION and m.get("cpu") == machine.get("cpu")
-                  and m.get("gpu") == machine.get("gpu") and prof["model"] == model and prof["dtype"] == dtype)
+                  and m.get("gpu") == machine.get("gpu") and prof["model"] == model and prof["dtype"] == dtype
+                  and prof.get("kernels") in (None, kernels))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         if ok and (best is None or str(prof.get("created", "")) >= best[0]):

@@ -67,9 +67,9 @@ def test_heldout_mape_is_the_mean_relative_error_on_the_held_out_points():
     assert heldout_mape(model, doubled)[TARGET_LEVEL] == pytest.approx(0.5)
 
 
-def _write(folder, name, machine, model="m", dtype="float32", version=1):
+def _write(folder, name, machine, model="m", dtype="float32", version=1, **extra):
     prof = {"version": version, "created": "2026-01-01T00:00:00", "machine": machine, "model": model,
-            "dtype": dtype, "predictor": LatencyModel.fit(SPEC, synthetic()).to_json()}
+            "dtype": dtype, "predictor": LatencyModel.fit(SPEC, synthetic()).to_json(), **extra}
     (folder / name).write_text(json.dumps(prof))
 
 
@@ -79,12 +79,14 @@ def test_only_a_profile_of_this_machine_model_and_dtype_is_used(tmp_path):
     _write(tmp_path, "other_gpu.json", {"cpu": "Test CPU 9000", "gpu": "H100"})
     _write(tmp_path, "other_model.json", here, model="other")
     _write(tmp_path, "other_dtype.json", here, dtype="bfloat16")
+    _write(tmp_path, "other_kernels.json", here, created="2027-01-01", kernels="mkl (T 1+)")
     (tmp_path / "broken.json").write_text("{not json")
-    assert select_profile(here, "m", "float32", tmp_path) is None
-    _write(tmp_path, "mine.json", here)
-    assert select_profile(here, "m", "float32", tmp_path).name == "mine.json"
+    assert select_profile(here, "m", "float32", "blas (T 1+)", tmp_path) is None
+    _write(tmp_path, "mine.json", here)  # (records no kernels: one made before they were chosen, matches any)
+    assert select_profile(here, "m", "float32", "blas (T 1+)", tmp_path).name == "mine.json"
+    assert select_profile(here, "m", "float32", "mkl (T 1+)", tmp_path).name == "other_kernels.json"
     assert LatencyModel.from_json(json.loads((tmp_path / "mine.json").read_text())["predictor"]).known(TARGET_LEVEL)
-    assert select_profile(here, "m", "float32", tmp_path / "missing") is None
+    assert select_profile(here, "m", "float32", None, tmp_path / "missing") is None
 
 
 def test_profiler_quick_path_end_to_end(tiny_engine_factory, tmp_path):
@@ -101,7 +103,7 @@ def test_profiler_quick_path_end_to_end(tiny_engine_factory, tmp_path):
     assert len(back["grid"]) == 2 * 3 * 2 * 4 and any(p["heldout"] for p in back["grid"])
     model = LatencyModel.from_json(back["predictor"])
     assert model.predict_ms("int8", 3, 40)[0] > 0
-    assert select_profile(back["machine"], "tiny-llama", "float32", tmp_path) == paths[0]
+    assert select_profile(back["machine"], "tiny-llama", "float32", back["kernels"], tmp_path) == paths[0]
 
 
 def test_profile_command_rejects_a_bad_out_before_loading(tmp_path, capsys):

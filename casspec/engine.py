@@ -46,19 +46,22 @@ from .tune import kernels_for
 class Engine:
     def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
                  graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
-                 keep_state: bool = True) -> None:
+                 keep_state: bool = True, fuse_projections: bool | None = None) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
-        every token count ("blas" | "onednn"). graphs: replay small forwards from CUDA graphs (default: on a GPU;
+        every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on a GPU;
         without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do). compile_pointwise: one
         compiled kernel per elementwise step (norms, RoPE, the MLP's activation; default: on a GPU). autoprofile:
         measure a latency profile (about a minute, once per machine, model and dtype; user cache) when none
         matches. keep_state: read the acceptance and latency state earlier processes learned, and keep this one's
-        for the next (user cache)."""
+        for the next (user cache). fuse_projections: the target's q|k|v and gate|up products as one each
+        (default: on a GPU, where the wider products come closer to the memory's bandwidth)."""
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
         model = loaded.runtime if loaded.runtime is not None else Transformer.from_hf(loaded.model)
+        if model.device.type == "cuda" if fuse_projections is None else fuse_projections:
+            model = model.with_fused_projections()
         dense, self.kernels = kernels_for(model, kernels)
         model = model.with_dense(dense)
         if model.device.type == "cuda" if compile_pointwise is None else compile_pointwise:
@@ -92,14 +95,15 @@ class Engine:
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_context: int | None = None,
                         kernels: str = "auto", graphs: bool | None = None, compile_pointwise: bool | None = None,
-                        autoprofile: bool = True, keep_state: bool = True, hf: bool = True) -> "Engine":
+                        autoprofile: bool = True, keep_state: bool = True, hf: bool = True,
+                        fuse_projections: bool | None = None) -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
         model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
         t0 = time.perf_counter()
         loaded = load(model, dtype, device, hf)
         load_s = time.perf_counter() - t0
         engine = cls(loaded, max_context, kernels, graphs=graphs, compile_pointwise=compile_pointwise,
-                     autoprofile=autoprofile, keep_state=keep_state)
+                     autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections)
         engine.setup = {"load": load_s, **engine.setup}
         return engine
 

@@ -7,6 +7,7 @@ Batch size 1 throughout; shapes use T = tokens in this forward, D = hidden size,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -80,6 +81,26 @@ class LayerWeights:
     w_up: Tensor  # [I, D]
     w_down: Tensor  # [D, I]
     bias: dict[str, Tensor]  # projection name -> bias [out], only where the checkpoint has one (Qwen2: q, k, v)
+    wqkv: Tensor | None = None  # [(H + 2 Hkv) hd, D] q|k|v as one weight (`fused`; wq, wk, wv are its row views)
+    w_gate_up: Tensor | None = None  # [2I, D] gate|up as one weight (`fused`; w_gate, w_up are its row views)
+
+    def fused(self) -> "LayerWeights":
+        """These weights with q|k|v and gate|up each concatenated into one (two products where there were five);
+        the separate ones become row views of them, so the concatenation is the only copy this layer keeps."""
+        if self.wqkv is not None:
+            return self
+        wqkv = torch.cat((self.wq, self.wk, self.wv))
+        w_gate_up = torch.cat((self.w_gate, self.w_up))
+        wq, wk, wv = wqkv.split([self.wq.shape[0], self.wk.shape[0], self.wv.shape[0]])
+        w_gate, w_up = w_gate_up.split([self.w_gate.shape[0], self.w_up.shape[0]])
+        return dataclasses.replace(self, wq=wq, wk=wk, wv=wv, w_gate=w_gate, w_up=w_up, wqkv=wqkv,
+                                   w_gate_up=w_gate_up)
+
+    def products(self) -> list[Tensor]:
+        """The weights the target's forward multiplies, each once (the fused ones in place of their parts)."""
+        qkv = [self.wqkv] if self.wqkv is not None else [self.wq, self.wk, self.wv]
+        gate_up = [self.w_gate_up] if self.w_gate_up is not None else [self.w_gate, self.w_up]
+        return qkv + [self.wo] + gate_up + [self.w_down]
 
 
 @dataclass(frozen=True)
@@ -199,8 +220,15 @@ class Transformer:
 
     def dense_weights(self) -> list[Tensor]:
         """Every weight the target's dense kernels multiply: each layer's projections, then the LM head."""
-        return [w for lw in self.layers for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down)] + [
-            self.lm_head]
+        return [w for lw in self.layers for w in lw.products()] + [self.lm_head]
+
+    def with_fused_projections(self) -> "Transformer":
+        """The same model with each layer's q|k|v and gate|up products as one each (`LayerWeights.fused`): on a
+        GPU the wider products read the weights closer to the memory's bandwidth, in fewer launches. The sums
+        are the same dot products, but a kernel picked for the wider shape may order them otherwise."""
+        other = copy.copy(self)
+        other.layers = [lw.fused() for lw in self.layers]
+        return other
 
     def with_graphs(self, graphs: Graphs | None) -> "Transformer":
         """The same weights, small forwards on graphs' cache replayed from CUDA graphs (None: eager)."""
@@ -231,7 +259,8 @@ class Transformer:
         total = 0
         tensors = [self.norm, self.lm_head]
         for lw in self.layers:
-            tensors += [t for t in vars(lw).values() if isinstance(t, Tensor)] + list(lw.bias.values())
+            norms = [t for t in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm) if t is not None]
+            tensors += lw.products() + norms + list(lw.bias.values())
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -324,6 +353,8 @@ class Transformer:
         s = self.spec
         T = x.shape[0]
         qkv = plan.fused.get((i, "qkv")) if plan.fused else None
+        if qkv is None and lw.wqkv is not None and not any((i, n) in plan.linears for n in ("q", "k", "v")):
+            qkv = functools.partial(self.dense, w=lw.wqkv)  # the target's own fused weight
         if qkv is not None and lw.q_norm is None and not lw.bias:  # one kernel, one RoPE call for q and k
             qk, v = qkv(x).split([(s.n_heads + s.n_kv_heads) * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
             qk = self.pointwise.rope(qk.reshape(T, s.n_heads + s.n_kv_heads, s.head_dim).transpose(0, 1), cos, sin)
@@ -366,6 +397,8 @@ class Transformer:
 
     def _mlp(self, i: int, lw: LayerWeights, x: Tensor, plan: Plan) -> Tensor:
         gate_up = plan.fused.get((i, "gate_up")) if plan.fused else None
+        if gate_up is None and lw.w_gate_up is not None and not any((i, n) in plan.linears for n in ("gate", "up")):
+            gate_up = functools.partial(self.dense, w=lw.w_gate_up)  # the target's own fused weight
         if gate_up is not None:
             gate, up = gate_up(x).chunk(2, dim=-1)  # [T, I] each
         else:

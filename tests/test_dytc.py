@@ -28,17 +28,17 @@ HC_SETS = [("int8*2", "int4*2", "pld*3"), ("skip0.3*3", "pld*4"), ("pld*2", "int
 
 
 @functools.lru_cache(maxsize=None)
-def engine(arch: str, seed: int, kernels: str = "blas"):
-    return tiny_engine(arch, seed, kernels=kernels)
+def engine(arch: str, seed: int, kernels: str = "blas", fused: bool = False):
+    return tiny_engine(arch, seed, kernels=kernels, fuse_projections=fused)
 
 
 @settings(max_examples=40, deadline=None)
 @given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 2),
        method=st.sampled_from(["vc", "dytc", "hc", "vc+hc", "tree+vc"]), which=st.integers(0, 5),
        bottom=st.sampled_from(sorted(BOTTOMS)), prompt=st.lists(st.integers(3, 40), min_size=1, max_size=24),
-       n=st.integers(1, 40), kernels=st.sampled_from(KERNELS))
-def test_greedy_cascades_and_dytc_equal_ar(arch, seed, method, which, bottom, prompt, n, kernels):
-    e = engine(arch, seed, kernels)
+       n=st.integers(1, 40), kernels=st.sampled_from(KERNELS), fused=st.booleans())
+def test_greedy_cascades_and_dytc_equal_ar(arch, seed, method, which, bottom, prompt, n, kernels, fused):
+    e = engine(arch, seed, kernels, fused)  # (fused: the target's q|k|v and gate|up as one product each)
     prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that the lookups find matches
     levels = HC_SETS[which % len(HC_SETS)] if method in ("hc", "vc+hc") else LEVEL_SETS[which]
     ar = e.generate_ids(prompt, Request(max_new_tokens=n))

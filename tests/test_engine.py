@@ -14,8 +14,9 @@ from tiny import ARCHS, KERNELS, tiny_engine
 
 
 @functools.lru_cache(maxsize=None)
-def engine(arch: str = "llama", seed: int = 0, max_context: int | None = None, kernels: str = "blas"):
-    return tiny_engine(arch, seed, max_context=max_context, kernels=kernels)
+def engine(arch: str = "llama", seed: int = 0, max_context: int | None = None, kernels: str = "blas",
+           fused: bool = False):
+    return tiny_engine(arch, seed, max_context=max_context, kernels=kernels, fuse_projections=fused)
 
 
 def hf_greedy(e, ids: list[int], n: int) -> list[int]:
@@ -28,9 +29,9 @@ def hf_greedy(e, ids: list[int], n: int) -> list[int]:
 @settings(max_examples=20, deadline=None)
 @given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 3), prompt=st.lists(st.integers(3, 96), min_size=1,
                                                                              max_size=30),
-       kernels=st.sampled_from(KERNELS))
-def test_ar_greedy_equals_hf_generate(arch, seed, prompt, kernels):
-    e = engine(arch, seed, kernels=kernels)
+       kernels=st.sampled_from(KERNELS), fused=st.booleans())
+def test_ar_greedy_equals_hf_generate(arch, seed, prompt, kernels, fused):
+    e = engine(arch, seed, kernels=kernels, fused=fused)
     res = e.generate_ids(prompt, Request(max_new_tokens=24))
     assert res.token_ids == hf_greedy(e, prompt, 24)
     assert res.stats.mean_accepted_tokens == 1.0

@@ -33,6 +33,23 @@ def test_logits_parity_full_forward(pair):
 
 
 @torch.no_grad()
+def test_fused_projections_compute_the_same_forward(pair):
+    hf, rt = pair
+    fused = rt.with_fused_projections()
+    lw, lf = rt.layers[0], fused.layers[0]
+    assert lw.wqkv is None and lf.wqkv is not None and lf.w_gate_up is not None
+    assert lf.wk.data_ptr() == lf.wqkv.data_ptr() + lw.wq.numel() * lw.wq.element_size()  # views: one copy
+    assert torch.equal(lf.wv, lw.wv) and torch.equal(lf.w_up, lw.w_up)
+    assert len(fused.dense_weights()) == 4 * len(rt.layers) + 1 and fused.weight_bytes() == rt.weight_bytes()
+    ids = torch.randint(0, V, (24,), generator=torch.Generator().manual_seed(0))
+    out = []
+    for model in (rt, fused):
+        cache = model.new_cache(64)
+        out.append(model.forward(cache, ids, torch.arange(24), 0))
+    assert rel_err(out[1], out[0]) < 1e-5 and torch.equal(out[1].argmax(-1), out[0].argmax(-1))
+
+
+@torch.no_grad()
 def test_logits_parity_incremental_and_chunked(pair):
     hf, rt = pair
     ids = torch.randint(0, V, (24,), generator=torch.Generator().manual_seed(1))

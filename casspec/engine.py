@@ -48,13 +48,13 @@ class Engine:
                  graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
                  keep_state: bool = True, fuse_projections: bool | None = None) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
-        every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on a GPU;
-        without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do). compile_pointwise: one
-        compiled kernel per elementwise step (norms, RoPE, the MLP's activation; default: on a GPU). autoprofile:
-        measure a latency profile (about a minute, once per machine, model and dtype; user cache) when none
-        matches. keep_state: read the acceptance and latency state earlier processes learned, and keep this one's
-        for the next (user cache). fuse_projections: the target's q|k|v and gate|up products as one each
-        (default: on a GPU, where the wider products come closer to the memory's bandwidth)."""
+        every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on
+        a GPU; without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do).
+        compile_pointwise: one compiled kernel per elementwise step (norms, RoPE, the MLP's activation; default: on
+        a GPU). autoprofile: measure a latency profile (about a minute, once per machine, model and dtype; user
+        cache) when none matches. keep_state: read the acceptance and latency state earlier processes learned, and
+        keep this one's for the next (user cache). fuse_projections: the target's q|k|v and gate|up products as
+        one each (default: on a GPU, where the wider products come closer to the memory's bandwidth)."""
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 
 def profile_key(machine: dict, model: str, dtype: str, kernels: str = "") -> dict:
-    """Everything a profile's timings depend on (kernels: the target's dense kernels, `DenseKernels.describe`)."""
+    """Everything a profile's timings depend on (kernels: the engine's build, `Engine.build`: its dense kernels and
+    on a GPU its graphs, compiled steps and fused projections)."""
     return {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
             "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype,
             "kernels": kernels}

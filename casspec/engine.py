@@ -60,16 +60,22 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
         model = loaded.runtime if loaded.runtime is not None else Transformer.from_hf(loaded.model)
-        if model.device.type == "cuda" if fuse_projections is None else fuse_projections:
+        cuda = model.device.type == "cuda"
+        fuse = cuda if fuse_projections is None else fuse_projections
+        if fuse:
             model = model.with_fused_projections()
         dense, self.kernels = kernels_for(model, kernels)
         model = model.with_dense(dense)
-        if model.device.type == "cuda" if compile_pointwise is None else compile_pointwise:
+        compiled = cuda if compile_pointwise is None else compile_pointwise
+        if compiled:
             model = model.with_pointwise(compiled_pointwise())
         if max_context is not None and max_context < 2:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         if graphs is None:
-            graphs = model.device.type == "cuda"
+            graphs = cuda
+        # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
+        self.build = "; ".join([dense.describe()] + [name for name, on in (
+            ("fused projections", fuse), ("compiled pointwise", compiled), ("CUDA graphs", graphs)) if on])
         self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
         self.model = model.with_graphs(self.graphs)
@@ -80,7 +86,7 @@ class Engine:
         t0 = time.perf_counter()
         self.latency, self.latency_source = self._latency_model(autoprofile)
         self.setup["profile"] = time.perf_counter() - t0
-        self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, dense.describe())
+        self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, self.build)
                       if keep_state else None)
         self._state_origin = self.latency_source  # the latency model the kept state grew from
         learned, trackers = self.state.load(self._state_origin) if self.state else (None, {})
@@ -129,11 +135,10 @@ class Engine:
         one made on first use, measured now if need be); without one, an empty model that learns online from
         this engine's own timings."""
         machine = machine_info(self.device.type)
-        kernels = self.model.dense.describe()
-        path = select_profile(machine, self.name, self._dtype_name, kernels)
+        path = select_profile(machine, self.name, self._dtype_name, self.build)
         if path is not None:
             return LatencyModel.from_json(json.loads(path.read_text())["predictor"]), f"profile {path.name}"
-        key = profile_key(machine, self.name, self._dtype_name, kernels)
+        key = profile_key(machine, self.name, self._dtype_name, self.build)
         prof = run_autoprofile(self, key) if autoprofile else cached_profile(key)
         if prof is not None:
             return LatencyModel.from_json(prof["predictor"]), f"profile made on first use ({prof['created']})"

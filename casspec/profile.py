@@ -186,7 +186,7 @@ def profile(engine: Engine, cfg: ProfileConfig = ProfileConfig(), progress: bool
         "model": engine.name,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": device.type,
-        "kernels": engine.model.dense.describe(),  # the target's dense kernels its timings are of
+        "kernels": engine.build,  # the target's dense kernels (and on a GPU, graphs etc.) its timings are of
         "config": asdict(cfg),
         "grid": [dict(asdict(p), heldout=p in heldset, runs=[round(ms, 3) for ms in r]) for p, r in zip(points, runs)],
         "predictor": predictor.to_json(),

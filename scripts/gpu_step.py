@@ -24,9 +24,12 @@ from dsia.kernels import time_ms
 from dytc.latency import machine_info
 
 
-# the engine set-ups timed: everything eager; CUDA graphs; CUDA graphs with compiled elementwise steps (the default)
-CONFIGS = {"eager": dict(graphs=False, compile_pointwise=False), "graphs": dict(graphs=True, compile_pointwise=False),
-           "graphs+compiled": dict(graphs=True, compile_pointwise=True)}
+# the engine set-ups timed: everything eager; CUDA graphs; CUDA graphs with compiled elementwise steps, with the
+# target's q|k|v and gate|up as separate products, then fused (the default on a GPU)
+CONFIGS = {"eager": dict(graphs=False, compile_pointwise=False),
+           "graphs": dict(graphs=True, compile_pointwise=False),
+           "graphs+compiled-separate": dict(graphs=True, compile_pointwise=True, fuse_projections=False),
+           "graphs+compiled": dict(graphs=True, compile_pointwise=True, fuse_projections=True)}
 
 
 def step_ms(engine: Engine, context: int, T: int, repeats: int) -> float:
@@ -58,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     with torch.inference_mode():
         for name, kw in configs.items():
-            engine = Engine(loaded, max_context=capacity, **kw)
+            engine = Engine(loaded, max_context=capacity, autoprofile=False, keep_state=False, **kw)
             engine.extend_prefix(ids)
             rows[name] = {T: step_ms(engine, args.context, T, args.repeats) for T in tokens}
             del engine
     gbs = read_gbs(torch.device(args.device))
-    floor = floor_ms(Engine(loaded, max_context=8, graphs=False, compile_pointwise=False).model, gbs)
+    floor = floor_ms(Engine(loaded, max_context=8, graphs=False, compile_pointwise=False, fuse_projections=False,
+                            autoprofile=False, keep_state=False).model, gbs)
     out = {"model": loaded.name, "dtype": args.dtype, "machine": machine_info(torch.device(args.device).type),
            "context": args.context, "read_gbs": gbs, "floor_ms": floor, "ms": rows}
     print(f"{loaded.name} {args.dtype} on {out['machine'].get('gpu') or out['machine']['cpu']}, context {args.context}:"

@@ -137,6 +137,13 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A sublayer's output joining the residual stream and the next norm: (x + delta, RMSNorm(x + delta)), [T, D]
+    each; one kernel when compiled."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
 @dataclass(frozen=True)
 class Pointwise:
     """The forward's elementwise steps. Eagerly each is several kernels (an RMSNorm is eight); on a GPU, where a
@@ -144,16 +151,17 @@ class Pointwise:
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]
     silu_mul: Callable[[Tensor, Tensor], Tensor]
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
 
 
-EAGER = Pointwise(rms_norm, rope, silu_mul)
+EAGER = Pointwise(rms_norm, rope, silu_mul, add_rms_norm)
 
 
 @functools.cache
 def compiled_pointwise() -> Pointwise:
     """The elementwise steps compiled by torch.compile (Inductor; shapes dynamic, so compiled once each)."""
     compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    return Pointwise(compile_(rms_norm), compile_(rope), compile_(silu_mul))
+    return Pointwise(compile_(rms_norm), compile_(rope), compile_(silu_mul), compile_(add_rms_norm))
 
 
 class Transformer:
@@ -306,23 +314,31 @@ class Transformer:
     def _layers(self, cache: KVCache, tokens: Tensor, positions: Tensor, kv: KvAccess, plan: Plan,
                 logits_rows: Tensor | slice | None) -> Tensor:
         """Embedding, the plan's layers, final norm and head: logits [N, V] in float32."""
-        s, norm = self.spec, self.pointwise.rms_norm
+        s = self.spec
         cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
-        x = F.embedding(tokens, self.embed)  # [T, D]
+        x = F.embedding(tokens, self.embed)  # [T, D] the residual stream
+        delta: Tensor | None = None  # [T, D] the last sublayer's output, added to x together with the next norm
         n_layers = s.n_layers if plan.exit_after is None else plan.exit_after
         for i in range(n_layers):
             lw = self.layers[i]
             if i not in plan.skip_attn:
-                x = x + self._attention(i, lw, norm(x, lw.attn_norm, s.norm_eps), cache, kv, cos, sin, plan)
+                x, h = self._residual_norm(x, delta, lw.attn_norm)
+                delta = self._attention(i, lw, h, cache, kv, cos, sin, plan)
             if i not in plan.skip_mlp:
-                h = norm(x, lw.mlp_norm, s.norm_eps)
+                x, h = self._residual_norm(x, delta, lw.mlp_norm)
                 mlp = plan.mlps.get(i)
-                x = x + (mlp(h) if mlp is not None else self._mlp(i, lw, h, plan))
+                delta = mlp(h) if mlp is not None else self._mlp(i, lw, h, plan)
         if logits_rows is not None:
-            x = x[logits_rows]
-        h = norm(x, self.norm, s.norm_eps)  # [N, D]
+            x, delta = x[logits_rows], None if delta is None else delta[logits_rows]
+        _, h = self._residual_norm(x, delta, self.norm)  # [N, D]
         logits = plan.head(h) if plan.head is not None else self.dense(h, self.lm_head)
         return logits.float()  # [N, V]
+
+    def _residual_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + delta, its RMSNorm): the residual stream after the last sublayer and the next one's input."""
+        if delta is None:
+            return x, self.pointwise.rms_norm(x, weight, self.spec.norm_eps)
+        return self.pointwise.add_rms_norm(x, delta, weight, self.spec.norm_eps)
 
     def _attn_mask(self, length: int, start: int, T: int, scratch_mask: Tensor | None,
                    visible_prefix: int | None) -> Tensor | None:

@@ -40,7 +40,7 @@ DYTC_VARIANTS = {"const": {"router": RouterConfig(constant_cost=0.3)},
                  "nofallback": {"router": RouterConfig(fallback=False)}}
 # any method with lookups beneath its levels: `vc~maxgram`, `dytc~both`, ... (the bottom, see sources.BOTTOMS)
 BOTTOM_VARIANTS = {name: {"bottom": name} for name in BOTTOMS}
-SAMPLING_SEED = 0  # seed of every sampled generation (so that repeats reproduce their tokens)
+SAMPLING_SEED = 0  # default seed of every sampled generation (so that repeats reproduce their tokens; --seed)
 HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": PLD_NUM_TOKENS},  # HF generate kwargs per method
               "hf-ar-compiled": {}}  # over a static cache of the engine's context size, which HF's generate
 # compiles (torch.compile, mode "reduce-overhead": CUDA graphs) on a GPU, the fastest HF setup there (GPU only)
@@ -182,10 +182,11 @@ def parse_methods(spec: str | Sequence[str]) -> list[str]:
 # one turn: prompt ids, max new tokens -> (new token ids, target forwards, engine stats or {})
 TurnFn = Callable[[list[int], int], tuple[list[int], int, dict]]
 STAT_SUMS = ("prefill_seconds", "draft_seconds", "draft_forward_seconds", "verify_seconds", "predicted_verify_seconds",
-             "draft_forwards", "tree_nodes")
+             "draft_forwards", "tree_nodes", "noise_seconds")
 
 
-def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams, static_cache: bool = False) -> TurnFn:
+def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams, static_cache: bool = False,
+               seed: int = SAMPLING_SEED) -> TurnFn:
     model = engine.hf_model
     cache = None
     if static_cache:  # one cache for every turn: a fixed shape, so HF compiles its step once
@@ -204,7 +205,7 @@ def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams, static_ca
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int, dict]:
         x = torch.tensor([ids], device=engine.device)
         calls[0] = 0
-        torch.manual_seed(SAMPLING_SEED)
+        torch.manual_seed(seed)
         extra = dict(kwargs)
         if cache is not None:
             cache.reset()
@@ -219,9 +220,10 @@ def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams, static_ca
     return run
 
 
-def _engine_runner(engine: Engine, method: str, level: str, sampling: SamplingParams) -> TurnFn:
+def _engine_runner(engine: Engine, method: str, level: str, sampling: SamplingParams,
+                   seed: int = SAMPLING_SEED) -> TurnFn:
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int, dict]:
-        req = method_request(method, level, max_new_tokens, sampling, seed=None if sampling.greedy else SAMPLING_SEED)
+        req = method_request(method, level, max_new_tokens, sampling, seed=None if sampling.greedy else seed)
         res = engine.generate_ids(ids, req)
         st = res.stats
         return res.token_ids, st.target_forwards, {k: getattr(st, k) for k in STAT_SUMS + ("accepted_by_depth",
@@ -231,13 +233,14 @@ def _engine_runner(engine: Engine, method: str, level: str, sampling: SamplingPa
 
 
 def make_runner(engine: Engine, method: str, level: str = "int4",
-                sampling: SamplingParams = SamplingParams()) -> TurnFn:
-    """A turn runner for a bench method spec (HF baselines or engine methods, see method_request)."""
+                sampling: SamplingParams = SamplingParams(), seed: int = SAMPLING_SEED) -> TurnFn:
+    """A turn runner for a bench method spec (HF baselines or engine methods, see method_request); sampled
+    generations are seeded with `seed`."""
     if method == HF_COMPILED and engine.device.type != "cuda":
         raise CasspecError(f"{HF_COMPILED} needs --device cuda: HF compiles its generation step only on a GPU")
     if method in HF_METHODS:
-        return _hf_runner(engine, HF_METHODS[method], sampling, static_cache=method == HF_COMPILED)
-    return _engine_runner(engine, method, level, sampling)
+        return _hf_runner(engine, HF_METHODS[method], sampling, static_cache=method == HF_COMPILED, seed=seed)
+    return _engine_runner(engine, method, level, sampling, seed)
 
 
 def run_question(engine: Engine, run: TurnFn, q: Question, max_new_tokens: int, answer: Answer | None) -> Answer:
@@ -303,7 +306,7 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
         }
         methods[name].update(_engine_stats(ans))
     return {"model": engine.name, "device": str(engine.device), "machine": machine_info(engine.device.type),
-            "dtype": dtype,
+            "kernels": engine.kernels, "build": engine.build, "dtype": dtype,
             "max_new_tokens": max_new_tokens,
             "sampling": vars(sampling), "baseline": BASELINE, "methods": methods}
 
@@ -375,15 +378,15 @@ def format_table(summary: dict) -> str:
 
 def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str], max_new_tokens: int,
               out_dir: str | Path, dtype: str, repeats: int = 1, progress: bool = True, level: str = "int4",
-              sampling: SamplingParams = SamplingParams()) -> dict:
+              sampling: SamplingParams = SamplingParams(), seed: int = SAMPLING_SEED) -> dict:
     """Run every method over every question `repeats` times (median wall time per turn); write the answers,
-    summary.json and return the summary."""
+    summary.json and return the summary. Sampled generations are seeded with `seed`."""
     if max_new_tokens < 1:
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     if repeats < 1:
         raise CasspecError(f"--repeats must be >= 1 (got {repeats})")
     out = writable_folder(out_dir)
-    runners = {m: make_runner(engine, m, level, sampling) for m in methods}
+    runners = {m: make_runner(engine, m, level, sampling, seed) for m in methods}
     # warm-up: one untimed generation per method, as long as a timed turn, so that what a method builds on first use
     # (levels, a skip set's search, CUDA graphs per plan and token bucket, HF's compiled step) is not timed
     for m, run in runners.items():
@@ -411,6 +414,8 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
                                                  "wall_time_repeats": a.wall_time, "forwards": a.forwards,
                                                  "token_ids": a.token_ids}]}) + "\n")
     summary = summarize(engine, answers, max_new_tokens, dtype, sampling)
+    if not sampling.greedy:
+        summary["seed"] = seed
     summary["repeats"] = repeats
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -131,6 +131,8 @@ def _bench_args(sub) -> None:
     b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (sampled runs are seeded)")
     b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of every sampled generation")
     b.add_argument("--out", default="bench-out", help="output folder")
     _common(b)
     _autoprofile(b)
@@ -246,9 +248,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     engine = _engine(args)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     summary = run_bench(engine, questions, methods, args.max_new_tokens, args.out, args.dtype,
-                        repeats=args.repeats, progress=not args.no_progress, level=args.level, sampling=sampling)
+                        repeats=args.repeats, progress=not args.no_progress, level=args.level, sampling=sampling,
+                        seed=args.seed)
     print(format_table(summary))
     print(f"answers and summary.json in {args.out}", file=sys.stderr)
     return 0

@@ -30,7 +30,7 @@ from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, 
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams, warp
 from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
-from dytc.verify import coupled_sample, gumbel_noise, verify_coupled, verify_greedy, verify_sampling
+from dytc.verify import Noise, coupled_sample, verify_coupled, verify_greedy, verify_sampling
 
 from .autoprofile import autoprofile as run_autoprofile
 from .autoprofile import cached_profile, profile_key
@@ -315,14 +315,16 @@ class Engine:
         """Yield blocks of committed tokens until the caller stops or the context window is full."""
         cache = self.cache
         seed = self._seed(req)
-        # draws of drafts sampled from q (sd, tree) and of their checks; deterministic drafts use position noise
+        # draws of drafts sampled from q (sd) and of their checks; deterministic drafts use position noise, which
+        # the levels' coupled drafts read too
         generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)
+        noise = None if req.sampling.greedy else Noise(seed, self.model.lm_head.shape[0])
         cache.rollback(0)
         with stats.timer("prefill"):  # the whole prompt in one forward; its last row gives the first token
-            root = self._pick(self.extend_prefix(prompt_ids), req.sampling, seed, len(prompt_ids))
+            root = self._pick(self.extend_prefix(prompt_ids), req.sampling, noise, len(prompt_ids))
         stats.target_forwards = 1
         ctx = DraftContext(self.model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
-                           budget=req.max_new_tokens - 1, latency=self.latency)
+                           budget=req.max_new_tokens - 1, latency=self.latency, noise=noise)
         with stats.timer("draft"):
             policy.begin(ctx)
         yield [root]
@@ -333,8 +335,11 @@ class Engine:
                 stats.predicted_verify_seconds += self._predicted_verify_ms(tree) / 1e3
                 context = cache.length
                 logits = self._verify_forward(tree)  # verify: one target forward over the whole tree
-                path, bonus = self._accept(tree, logits, req.sampling, generator, seed, context)  # accept
+                path, bonus = self._accept(tree, logits, req.sampling, generator, noise, context)  # accept
                 cache.commit(path)  # update: the accepted path's KV joins the committed prefix
+            if noise is not None:
+                noise.forget_before(cache.length + 1)  # (positions up to the next root's are drawn)
+                stats.noise_seconds = noise.seconds
             emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
             ctx.commit(emitted)
             with stats.timer("draft"):
@@ -385,17 +390,17 @@ class Engine:
     # checked against position-owned Gumbel noise (dytc.verify.verify_coupled): a seed then gives the same tokens
     # whatever was drafted. Drafts sampled from q (sd, tree when sampling) go through recursive rejection sampling.
     @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, seed: int, position: int) -> int:
-        if sampling.greedy:
+    def _pick(logits: torch.Tensor, sampling: SamplingParams, noise: Noise | None, position: int) -> int:
+        if sampling.greedy or noise is None:
             return int(logits[-1].argmax())
-        return coupled_sample(warp(logits[-1:].cpu(), sampling)[0], gumbel_noise(seed, position, logits.shape[-1]))
+        return coupled_sample(warp(logits[-1:].cpu(), sampling)[0], noise(position))
 
     @staticmethod
     def _accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
-                seed: int, root_position: int) -> tuple[list[int], int]:
-        if sampling.greedy:
+                noise: Noise | None, root_position: int) -> tuple[list[int], int]:
+        if sampling.greedy or noise is None:
             return verify_greedy(tree, logits)
         probs = warp(logits.cpu(), sampling)  # [N, V]
         if all(q is None for q in tree.q):
-            return verify_coupled(tree, probs, seed, root_position)
+            return verify_coupled(tree, probs, noise, root_position)
         return verify_sampling(tree, probs, generator)

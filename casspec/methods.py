@@ -41,7 +41,10 @@ class Drafters:
 def _dytc(req: Request, d: Drafters) -> Policy:
     names = tuple(n for n, _ in d.sources(req))
     cfg = replace(req.router or RouterConfig(), levels=names, lookups=req.lookups)
-    tracker = d.trackers.setdefault(repr(cfg), AcceptanceTracker())  # estimates carry over generations
+    # estimates carry over generations, kept apart for greedy and sampled ones (a coupled draft is accepted where
+    # two perturbed argmaxes agree: another rate than the plain argmax's)
+    mode = "greedy" if req.sampling.greedy else "sampling"
+    tracker = d.trackers.setdefault(f"{mode} {cfg!r}", AcceptanceTracker())
     return DyTC([d.levels.get(n) for n in names], tracker, cfg)
 
 

@@ -28,6 +28,7 @@ class Stats:
     draft_forwards: int = 0  # draft-level forwards (0 for ar and pld)
     draft_forward_seconds: float = 0.0  # their time; the rest of draft_seconds is the policy's own overhead
     tree_nodes: int = 0  # draft nodes verified, over all steps (root excluded)
+    noise_seconds: float = 0.0  # sampling: drawing the position-owned noise (drafting and verification share it)
     finish_reason: str = ""  # eos | stop | length | context | cancelled
     latency: str = ""  # where the latency predictor comes from (a profile, or online fitting)
     kernels: str = ""  # which dense kernel ran the target's products, by token count, and where the choice came from
@@ -108,7 +109,9 @@ class Stats:
                 f"{self.target_forwards} target forwards, mean accepted {self.mean_accepted_tokens:.2f}; "
                 f"draft {self.draft_seconds:.2f}s (level forwards {self.draft_forward_seconds:.2f}s, policy "
                 f"{self.policy_ms_per_step:.2f} ms/step), verify {self.verify_seconds:.2f}s "
-                f"(predicted {self.predicted_verify_seconds:.2f}s); finish: {self.finish_reason}; "
+                f"(predicted {self.predicted_verify_seconds:.2f}s)"
+                + (f", noise {self.noise_seconds:.2f}s" if self.noise_seconds else "")
+                + f"; finish: {self.finish_reason}; "
                 f"latency: {self.latency}; kernels: {self.kernels}"
                 + (f"; {json.dumps(self.policy)}" if self.policy else ""))
 

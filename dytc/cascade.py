@@ -64,8 +64,9 @@ class ChainBuilder:
 
     def run(self, level: Level, upto: int, extra: list[int]) -> list[int]:
         """Run `level` over the chain tokens it cannot read yet (up to index `upto`, inclusive) plus `extra`
-        (tokens proposed after index upto; their slots follow). Returns the level's greedy next token after
-        each position from `upto` on: [1 + len(extra)]."""
+        (tokens proposed after index upto; their slots follow). Returns the level's next token after each
+        position from `upto` on, [1 + len(extra)]: its argmax (greedy), or its coupled draft (sampling,
+        `DraftContext.draft_top`)."""
         ctx, dev = self.ctx, self.ctx.model.device
         # from the first token it cannot read (at the latest `upto` itself, whose logits are needed)
         start = next((j for j in range(upto + 1) if not self.readable(j, level.name)), upto)
@@ -75,11 +76,16 @@ class ChainBuilder:
                                   L + start)  # [T, V]
         for j in range(start, upto + 1):
             self.kv[j] = level.name
-        if level.name == self.alts_of:
-            top_p, top_i = torch.softmax(logits[upto - start:].float(), -1).topk(self.top_k, dim=-1)  # [1+E, k]
-            for r, (p, i) in enumerate(zip(top_p.tolist(), top_i.tolist())):
-                self.alts[upto + r] = dict(zip(i, p))
-        return logits[upto - start:].argmax(-1).tolist()
+        rows = logits[upto - start:]  # [1 + E, V]
+        coupled = not ctx.sampling.greedy and ctx.noise is not None
+        if level.name == self.alts_of or coupled:
+            top_p, top_i = ctx.draft_top(rows, list(range(L + upto, L + upto + len(rows))), self.top_k)  # [1+E, k]
+            if level.name == self.alts_of:
+                for r, (p, i) in enumerate(zip(top_p.tolist(), top_i.tolist())):
+                    self.alts[upto + r] = dict(zip(i, p))
+            if coupled:
+                return top_i[:, 0].tolist()
+        return rows.argmax(-1).tolist()
 
     def forget_after(self, j: int) -> None:
         """Drop the alternatives recorded after chain index j (they followed proposal tokens not kept)."""

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from dsia.kvcache import KVCache
 from dsia.levels import Level
@@ -36,6 +37,7 @@ from .latency import TARGET_LEVEL, LatencyModel
 from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, PromptLookup
 from .sampling import SamplingParams, sample, warp
 from .tree import DraftTree, ancestor_mask, position_ids
+from .verify import Noise
 
 
 @dataclass
@@ -48,6 +50,7 @@ class DraftContext:
     eos_ids: frozenset[int] = frozenset()
     budget: int = 1 << 30  # tokens the generation may still emit
     latency: LatencyModel | None = None  # learns every level forward's time (None: nothing learns)
+    noise: Noise | None = None  # sampling: the verifier's position-owned noise, which coupled drafts use too
     draft_forwards: int = 0  # level forwards run by the policy in this generation
     draft_ms: float = 0.0  # their measured time
 
@@ -74,6 +77,20 @@ class DraftContext:
         if self.latency is not None and self.model.graph_captures == captures:
             self.latency.observe(level.name, len(tokens), start, ms, tree=mask is not None)
         return logits, ms
+
+    def draft_top(self, logits: Tensor, positions: list[int], k: int) -> tuple[Tensor, Tensor]:
+        """A level's k best next tokens after each of T rows and their draft probabilities ([T, k] each; row j is
+        the token at `positions[j]`, so it drafts position positions[j] + 1). Greedy: the top k of its softmax.
+        Sampling (coupled drafting): the top k of log warp(q) + g, g the noise the verifier draws the target's
+        token at that position with, so the first is the target's own sample wherever the two perturbed argmaxes
+        agree (a good level's do at about its greedy agreement; its plain argmax would match with probability
+        p(x) only); the probabilities are the softmax of those perturbed scores (q itself where g = 0)."""
+        if self.sampling.greedy or self.noise is None:
+            return torch.softmax(logits.float(), -1).topk(k, dim=-1)
+        q = warp(logits.cpu(), self.sampling).double()  # [T, V]
+        scores = q.log() + torch.stack([self.noise(p + 1) for p in positions])  # [T, V]
+        top_s, top_i = scores.topk(k, dim=-1)  # [T, k]
+        return torch.softmax(scores, -1).gather(-1, top_i).float(), top_i
 
     def commit(self, emitted: list[int]) -> None:
         """After verification: the emitted tokens join the history (the last one is the next root)."""
@@ -189,7 +206,8 @@ class TreeConfig:
 class TreePolicy(LevelPolicy):
     """`tree`: one level drafts a token tree, one batched forward per depth over the expanded nodes.
 
-    Children are the level's top-k tokens, deterministic (q one-hot), which is lossless for sampling too.
+    Children are the level's top-k tokens (under sampling, coupled to the verifier's noise: `draft_top`),
+    deterministic (q one-hot), so verification is `verify_coupled` and lossless.
     """
     name = "tree"
 
@@ -211,7 +229,7 @@ class TreePolicy(LevelPolicy):
             mask = ancestor_mask(tree.parents, dev)[a:b, :b]  # [F, b]
             logits, _ = ctx.run_level(self.level, tree.tokens[a:b], position_ids(tree.parents, L, dev)[a:b], L + a,
                                       mask)  # [F, V]
-            top_p, top_i = torch.softmax(logits, -1).topk(cfg.top_k, dim=-1)  # [F, k]
+            top_p, top_i = ctx.draft_top(logits, [L + depth] * (b - a), cfg.top_k)  # [F, k]
             cand = [(score[f] * float(top_p[j, c]), f, int(top_i[j, c]))
                     for j, f in enumerate(frontier) for c in range(cfg.top_k)]
             cand.sort(key=lambda x: -x[0])

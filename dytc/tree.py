@@ -68,12 +68,17 @@ def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> Ten
     return mask.to(device)
 
 
-def position_ids(parents: list[int], prefix_length: int, device: torch.device | str = "cpu") -> Tensor:
-    """[N] absolute positions: prefix_length + depth."""
+def depths(parents: list[int]) -> list[int]:
+    """[N] each node's depth (the root's is 0). Parents must precede children."""
     d = [0] * len(parents)
     for i in range(1, len(parents)):
         d[i] = d[parents[i]] + 1
-    return torch.tensor(d, dtype=torch.long, device=device) + prefix_length
+    return d
+
+
+def position_ids(parents: list[int], prefix_length: int, device: torch.device | str = "cpu") -> Tensor:
+    """[N] absolute positions: prefix_length + depth."""
+    return torch.tensor(depths(parents), dtype=torch.long, device=device) + prefix_length
 
 
 def is_chain(parents: list[int]) -> bool:

@@ -11,6 +11,9 @@ passes q with the earlier siblings removed and renormalized) and p and q are war
 """
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -69,23 +72,49 @@ def gumbel_noise(seed: int, position: int, vocab: int) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
+class Noise:
+    """The position-owned noise of one generation, each position's drawn once and read by both the drafting levels
+    (coupled drafting) and the verifier: the verifier's values are the reference, and these are they."""
+
+    def __init__(self, seed: int, vocab: int) -> None:
+        self.seed, self.vocab = seed, vocab
+        self._at: dict[int, Tensor] = {}  # position -> [V] float64
+        self.seconds = 0.0  # time spent drawing
+
+    def __call__(self, position: int) -> Tensor:
+        g = self._at.get(position)
+        if g is None:
+            t0 = time.perf_counter()
+            g = self._at[position] = gumbel_noise(self.seed, position, self.vocab)
+            self.seconds += time.perf_counter() - t0
+        return g
+
+    def forget_before(self, position: int) -> None:
+        """Drop the noise of positions already emitted (nothing reads it again)."""
+        for p in [p for p in self._at if p < position]:
+            del self._at[p]
+
+
 def coupled_sample(probs: Tensor, noise: Tensor) -> int:
     """The Gumbel-max sample argmax(log p + g): distributed as p when g is fresh Gumbel noise."""
     return int((probs.double().log() + noise).argmax())
 
 
-def verify_coupled(tree: DraftTree, probs: Tensor, seed: int, root_position: int) -> tuple[list[int], int]:
+def verify_coupled(tree: DraftTree, probs: Tensor, noise: Callable[[int], Tensor],
+                   root_position: int) -> tuple[list[int], int]:
     """Sampling verification of deterministic drafts (q one-hot) by position-owned noise: the target's token after
-    a node at depth d is argmax(log p + g), g = gumbel_noise(seed, root_position + d + 1). Greedy verification
-    against those tokens emits, at every position, a fresh sample of the target's distribution given the prefix
-    (the noise of a position is independent of every other position's), so the output is distributed exactly as
-    the target's own samples; and since the noise does not depend on the tree, the same seed gives the same tokens
-    whatever was drafted: every deterministic-draft method reproduces `ar` token for token. A drafted token is
-    accepted with probability p(x), as in recursive rejection with one-hot q."""
+    a node at depth d is argmax(log p + g), g = noise(root_position + d + 1) (`Noise`: gumbel_noise(seed, ...)).
+    Greedy verification against those tokens emits, at every position, a fresh sample of the target's
+    distribution given the prefix (the noise of a position is independent of every other position's), so the
+    output is distributed exactly as the target's own samples; and since the noise does not depend on the tree,
+    the same seed gives the same tokens whatever was drafted: every deterministic-draft method reproduces `ar`
+    token for token. A draft that is its level's plain argmax is accepted with probability p(x), as in recursive
+    rejection with one-hot q; a coupled draft (`DraftContext.draft_top`: the argmax of log q + the same g) is
+    accepted wherever the two perturbed argmaxes agree."""
     children = tree.children()
     node, path, depth = 0, [0], 0
     while True:
-        t = coupled_sample(probs[node], gumbel_noise(seed, root_position + depth + 1, probs.shape[-1]))
+        t = coupled_sample(probs[node], noise(root_position + depth + 1))
         nxt = next((c for c in children[node] if tree.tokens[c] == t), None)
         if nxt is None:
             return path, t

@@ -20,6 +20,8 @@ def test_bench_on_tiny_model(tmp_path):
     summary = run_bench(engine, questions, methods, 12, tmp_path / "out", "float32", repeats=2, progress=False)
     assert set(summary) >= {"model", "device", "dtype", "max_new_tokens", "baseline", "methods"}
     assert summary["baseline"] == BASELINE and summary["max_new_tokens"] == 12
+    assert summary["kernels"] == engine.kernels == "blas (T 1+) (forced)" and summary["build"] == engine.build
+    assert summary["machine"]["cpu"] and "torch" in summary["machine"]
     for name, m in summary["methods"].items():
         assert set(m) >= {"tokens_per_s", "speedup", "mean_accepted_tokens", "identical_to_baseline",
                           "questions", "by_category"}

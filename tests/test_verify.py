@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from casspec.engine import Request
+from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams, warp
 from dytc.tree import DraftTree
 from dytc.verify import verify_greedy, verify_sampling
@@ -153,23 +154,33 @@ def test_wrong_q_is_detected(shape):
     assert run_trials(shape, PARAMS[0], seed=7, lie=True) < 0.001
 
 
-def test_engine_sampling_follows_the_target():
-    """End to end through the engine's sd and tree policies: the first two emitted tokens of many seeded runs
-    (the second is the first drafted one) follow the target's own joint distribution, computed exactly."""
+ENGINE_WARPS = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=6),
+                SamplingParams(temperature=0.9, top_k=8, top_p=0.95)]
+
+
+@pytest.mark.parametrize("method", ["sd", "tree", "vc", "hc", "dytc"])
+@pytest.mark.parametrize("params", ENGINE_WARPS, ids=["T0.7-p0.9", "T1-k6", "T0.9-k8-p0.95"])
+def test_engine_sampling_follows_the_target(method, params):
+    """End to end through every drafting method: the first two emitted tokens of many seeded runs follow the
+    target's own joint distribution, computed exactly, while drafts really are verified: the second token
+    comes from the first verification step, whose tree holds drafts (sd: drawn from q, rejection sampling; the
+    others coupled to the verifier's noise), some accepted and some rejected."""
     e = tiny_engine("llama", 0, vocab=12, layers=2)
     prompt = [5, 6, 7, 5, 6]
-    params = SamplingParams(temperature=1.0, top_k=6)
     with torch.inference_mode():
         p1 = warp(e.hf_model(torch.tensor([prompt])).logits[0, -1:], params)[0]  # [V]
         seqs = torch.tensor([prompt + [t] for t in range(12)])
         p2 = warp(e.hf_model(seqs).logits[:, -1], params)  # [V, V]: second token given the first
     joint = (p1[:, None] * p2).flatten()  # [V * V]
-    n = 2000
-    for method in ("sd", "tree"):
-        obs = torch.zeros(12 * 12)
-        for s in range(n):
-            r = e.generate_ids(prompt, Request(max_new_tokens=2, sampling=params, seed=s, method=method,
-                                               level="int8"))
-            obs[r.token_ids[0] * 12 + r.token_ids[1]] += 1
-        assert obs[joint == 0].sum() == 0
-        assert joint_chi2_p(obs, joint) > 0.001, method
+    levels = ("int8*2", "pld*2") if method == "hc" else ("int8",) if method in ("vc", "dytc") else ()
+    n, obs, drafted, accepted = 600, torch.zeros(12 * 12), 0, 0
+    for s in range(n):
+        r = e.generate_ids(prompt, Request(max_new_tokens=4, sampling=params, seed=s, method=method, level="int8",
+                                           levels=levels, router=RouterConfig(constant_cost=0.3)
+                                           if method == "dytc" else None))
+        obs[r.token_ids[0] * 12 + r.token_ids[1]] += 1
+        drafted += r.stats.tree_nodes
+        accepted += sum(r.stats.accepted_by_depth)
+    assert drafted > n and 0 < accepted < drafted  # drafts were verified: some accepted, some rejected
+    assert obs[joint == 0].sum() == 0
+    assert joint_chi2_p(obs, joint) > 0.001

@@ -30,10 +30,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dsia.errors import CasspecError
+from dytc.sampling import GREEDY_BELOW, SamplingParams
 from dytc.sources import BOTTOMS, DEFAULT_BOTTOM, LOOKUPS
 
-from .bench import (BASELINE, Answer, Question, machine_line, make_runner, method_request, run_question, summarize,
-                    writable_folder)
+from .bench import (BASELINE, SAMPLING_SEED, Answer, Question, machine_line, make_runner, method_request,
+                    run_question, summarize, writable_folder)
 from .engine import Engine
 from .methods import MULTI_LEVEL, SINGLE_LEVEL
 from .levels_report import measure_levels
@@ -89,10 +90,12 @@ def row_memory_bytes(engine: Engine, row: str) -> int:
     return engine.model.weight_bytes() + kv + sum(copies.values())
 
 
-def _row_key(engine: Engine, questions: list[Question], max_new_tokens: int) -> dict:
+def _row_key(engine: Engine, questions: list[Question], max_new_tokens: int, sampling: SamplingParams,
+             seed: int) -> dict:
     """What a finished row was measured with: a row file is reused only when all of it matches."""
     return {"model": engine.name, "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
-            "max_new_tokens": max_new_tokens, "questions": [q.question_id for q in questions]}
+            "max_new_tokens": max_new_tokens, "questions": [q.question_id for q in questions],
+            "sampling": vars(sampling), "seed": None if sampling.greedy else seed}
 
 
 def _finished_row(path: Path, key: dict) -> dict | None:
@@ -116,14 +119,15 @@ def _finished_row(path: Path, key: dict) -> dict | None:
 
 
 def run_rows(engine: Engine, questions: list[Question], rows: list[str], max_new_tokens: int, out: Path,
-             progress: bool = True) -> dict[str, dict]:
+             progress: bool = True, sampling: SamplingParams = SamplingParams(),
+             seed: int = SAMPLING_SEED) -> dict[str, dict]:
     """Run the rows not finished yet (OUT/rows/ROW.json); return every row's record."""
     folder = out / "rows"
     folder.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict] = {}
     todo = []
     for row in rows:
-        rec = _finished_row(folder / _file_name(row), _row_key(engine, questions, max_new_tokens))
+        rec = _finished_row(folder / _file_name(row), _row_key(engine, questions, max_new_tokens, sampling, seed))
         if rec is not None:
             records[row] = rec
         else:
@@ -132,11 +136,11 @@ def run_rows(engine: Engine, questions: list[Question], rows: list[str], max_new
                file=sys.stderr)
     for row in todo:
         bar.set_postfix_str(row)
-        run = make_runner(engine, row)
-        run(engine.encode([{"role": "user", "content": questions[0].turns[0]}]), min(16, max_new_tokens))  # warm-up
+        run = make_runner(engine, row, sampling=sampling, seed=seed)
+        run(engine.encode([{"role": "user", "content": questions[0].turns[0]}]), max_new_tokens)  # warm-up (as bench)
         t0 = time.time()
         answers = [run_question(engine, run, q, max_new_tokens, None) for q in questions]
-        rec = {"row": row, **_row_key(engine, questions, max_new_tokens), "started": t0,
+        rec = {"row": row, **_row_key(engine, questions, max_new_tokens, sampling, seed), "started": t0,
                "seconds": time.time() - t0, "memory_bytes": row_memory_bytes(engine, row),
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "answers": [asdict(a) for a in answers]}
@@ -148,13 +152,18 @@ def run_rows(engine: Engine, questions: list[Question], rows: list[str], max_new
 
 
 def ablate(engine: Engine, questions: list[Question], rows: list[str], max_new_tokens: int, out: str | Path,
-           dtype: str, cfg: AblateConfig = AblateConfig(), progress: bool = True) -> dict:
+           dtype: str, cfg: AblateConfig = AblateConfig(), progress: bool = True,
+           sampling: SamplingParams = SamplingParams(), seed: int = SAMPLING_SEED) -> dict:
+    """Run (or read back) every row; write results.json, results.md and the plots. sampling: greedy by default;
+    sampled rows are seeded with `seed` (HF sampling as the baseline)."""
     if rows[0] != BASELINE:
         raise CasspecError(f"the ablation's first row must be the baseline {BASELINE}")
     out = writable_folder(out)
-    records = run_rows(engine, questions, rows, max_new_tokens, out, progress)
+    records = run_rows(engine, questions, rows, max_new_tokens, out, progress, sampling, seed)
     answers = {row: [Answer(**a) for a in records[row]["answers"]] for row in rows}
-    summary = summarize(engine, answers, max_new_tokens, dtype)
+    summary = summarize(engine, answers, max_new_tokens, dtype, sampling)
+    if not sampling.greedy:
+        summary["seed"] = seed
     for row in rows:
         m = summary["methods"][row]
         m["memory_mb"] = records[row]["memory_bytes"] / 1e6
@@ -190,9 +199,18 @@ def format_results(summary: dict) -> str:
         cells += [f"{m['memory_mb']:.0f}", ident]
         lines.append("| " + " | ".join(cells) + " |")
     return (f"{summary['model']}, {summary['device']} ({machine_line(summary)}), {summary['dtype']}, "
-            f"{summary['max_new_tokens']} new tokens, greedy; speedup over {summary['baseline']} (HF transformers "
-            "generate) in the same run.\n\n"
+            f"{summary['max_new_tokens']} new tokens, {_decoding(summary)}; speedup over {summary['baseline']} (HF "
+            "transformers generate) in the same run.\n\n"
             + "\n".join(lines) + "\n")
+
+
+def _decoding(summary: dict) -> str:
+    """'greedy', or the sampling warp and seed of a sampled run."""
+    sp = summary.get("sampling") or {}
+    if sp.get("temperature", 0.0) < GREEDY_BELOW:
+        return "greedy"
+    warp = ", ".join(f"{k} {v}" for k, v in sp.items() if (k, v) not in (("top_k", 0), ("top_p", 1.0)))
+    return f"sampling ({warp}, seed {summary.get('seed', SAMPLING_SEED)})"
 
 
 def _ewif(a: float, c: float, max_k: int = 32) -> float:

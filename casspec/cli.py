@@ -122,6 +122,14 @@ def _serve_args(sub) -> None:
     _autoprofile(s)
 
 
+def _run_sampling(p) -> None:
+    """Sampling options of the measuring commands (bench, ablate): greedy by default, sampled runs seeded."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (sampled runs are seeded)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of every sampled generation")
+
+
 def _bench_args(sub) -> None:
     b = sub.add_parser("bench", help="Spec-Bench run: methods vs the HF transformers baseline")
     _questions(b)
@@ -129,10 +137,7 @@ def _bench_args(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--level", default="int4", help="draft level of sd / tree (or per method: sd:int8)")
     b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")
-    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (sampled runs are seeded)")
-    b.add_argument("--top-p", type=float, default=1.0)
-    b.add_argument("--top-k", type=int, default=0)
-    b.add_argument("--seed", type=int, default=0, help="seed of every sampled generation")
+    _run_sampling(b)
     b.add_argument("--out", default="bench-out", help="output folder")
     _common(b)
     _autoprofile(b)
@@ -167,6 +172,7 @@ def _ablate_args(sub) -> None:
     ab.add_argument("--out", default="results", help="results folder (finished rows there are skipped)")
     ab.add_argument("--readme", default=None, help="also write the table and plots into this README's "
                     "'ablate' section")
+    _run_sampling(ab)
     _common(ab)
     _autoprofile(ab)
 
@@ -247,8 +253,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 1:
         raise CasspecError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    engine = _engine(args)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    engine = _engine(args)
     summary = run_bench(engine, questions, methods, args.max_new_tokens, args.out, args.dtype,
                         repeats=args.repeats, progress=not args.no_progress, level=args.level, sampling=sampling,
                         seed=args.seed)
@@ -299,6 +305,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
+    from dytc.sampling import SamplingParams
+
     from .ablate import ablate, default_rows, format_results, update_readme
     from .bench import BASELINE, parse_methods, read_questions
 
@@ -308,10 +316,12 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     rows = parse_methods(args.rows) if args.rows else None
     if args.readme is not None and not Path(args.readme).is_file():
         raise CasspecError(f"--readme {args.readme!r} is not a file")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     engine = _engine(args)
     rows = rows or default_rows(engine)
     assert rows[0] == BASELINE
-    summary = ablate(engine, questions, rows, args.max_new_tokens, args.out, args.dtype, progress=not args.no_progress)
+    summary = ablate(engine, questions, rows, args.max_new_tokens, args.out, args.dtype, progress=not args.no_progress,
+                     sampling=sampling, seed=args.seed)
     print(format_results(summary))
     if args.readme:
         update_readme(args.readme, summary, Path(args.out))

@@ -6,6 +6,7 @@ import pytest
 import casspec.ablate as ab
 from casspec.bench import BASELINE, read_questions
 from dsia.errors import CasspecError
+from dytc.sampling import SamplingParams
 from tiny import tiny_engine
 
 
@@ -47,9 +48,14 @@ def test_ablation_writes_results_resumes_and_fills_the_readme(tmp_path, monkeypa
     # a rerun skips the finished rows
     calls = []
     real = ab.make_runner
-    monkeypatch.setattr(ab, "make_runner", lambda engine, row: calls.append(row) or real(engine, row))
+    monkeypatch.setattr(ab, "make_runner", lambda engine, row, **kw: calls.append(row) or real(engine, row, **kw))
     ab.ablate(e, questions, rows + ["pld"], 10, out, "float32", progress=False)
     assert calls == ["pld"]
+    # sampled rows are measured anew (a greedy row file is not reused), seeded, and say so
+    sampled = ab.ablate(e, questions, rows[:3], 10, out, "float32", progress=False,
+                        sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=3)
+    assert calls[1:] == rows[:3] and sampled["seed"] == 3 and sampled["sampling"]["temperature"] == 0.8
+    assert "sampling (temperature 0.8, top_p 0.9, seed 3)" in ab.format_results(sampled)
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n## Results\n{ab.README_BEGIN}\nold\n{ab.README_END}\n\nrest\n")
     ab.update_readme(readme, summary, out)

@@ -16,6 +16,8 @@ from dsia.errors import CasspecError
 
 GREEDY_BELOW = 1e-4  # temperatures below this are greedy decoding (the warp's limit as T -> 0 is the argmax;
 # far below it logits / T overflows)
+NUCLEUS_CANDIDATES = 256  # top-p: the nucleus is looked for among this many most likely tokens (a partial sort,
+# a small fraction of a full one over a 50k vocabulary); rows whose nucleus is larger get the full sort
 
 
 @dataclass(frozen=True)
@@ -51,13 +53,23 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (the first token is always kept)
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(_outside_nucleus(probs, params.top_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _outside_nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """[N, V] bool: the tokens top-p drops, those whose more likely tokens' mass already reaches top_p (the first
+    token is always kept)."""
+    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    top, order = probs.topk(k, dim=-1)  # [N, k], descending
+    before = top.cumsum(-1) - top  # mass strictly before each
+    if bool((before[:, -1] >= top_p).all()):  # every row's nucleus ends within its k candidates
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
+        return ~keep
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    return drop_sorted.scatter(-1, order, drop_sorted)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -87,10 +87,10 @@ class DraftContext:
         p(x) only); the probabilities are the softmax of those perturbed scores (q itself where g = 0)."""
         if self.sampling.greedy or self.noise is None:
             return torch.softmax(logits.float(), -1).topk(k, dim=-1)
-        q = warp(logits.cpu(), self.sampling).double()  # [T, V]
-        scores = q.log() + torch.stack([self.noise(p + 1) for p in positions])  # [T, V]
+        scores = warp(logits.cpu(), self.sampling).log().double()  # [T, V] log q (-inf outside top-k / top-p)
+        scores += torch.stack([self.noise(p + 1) for p in positions])  # + g
         top_s, top_i = scores.topk(k, dim=-1)  # [T, k]
-        return torch.softmax(scores, -1).gather(-1, top_i).float(), top_i
+        return (top_s - scores.logsumexp(-1, keepdim=True)).exp().float(), top_i
 
     def commit(self, emitted: list[int]) -> None:
         """After verification: the emitted tokens join the history (the last one is the next root)."""

@@ -16,8 +16,9 @@ from dsia.errors import CasspecError
 
 GREEDY_BELOW = 1e-4  # temperatures below this are greedy decoding (the warp's limit as T -> 0 is the argmax;
 # far below it logits / T overflows)
-NUCLEUS_CANDIDATES = 256  # top-p: the nucleus is looked for among this many most likely tokens (a partial sort,
-# a small fraction of a full one over a 50k vocabulary); rows whose nucleus is larger get the full sort
+NUCLEUS_CANDIDATES = (256, 4096)  # top-p: the nucleus is looked for among this many most likely tokens, then
+# (rows whose nucleus is larger) this many (partial sorts, a fraction of a full one over a 50k vocabulary); a row
+# whose nucleus is larger still gets the full sort
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,18 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
 def _outside_nucleus(probs: Tensor, top_p: float) -> Tensor:
     """[N, V] bool: the tokens top-p drops, those whose more likely tokens' mass already reaches top_p (the first
     token is always kept)."""
-    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
-    top, order = probs.topk(k, dim=-1)  # [N, k], descending
-    before = top.cumsum(-1) - top  # mass strictly before each
-    if bool((before[:, -1] >= top_p).all()):  # every row's nucleus ends within its k candidates
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, before < top_p)
-        return ~keep
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-    drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-    return drop_sorted.scatter(-1, order, drop_sorted)
+    V = probs.shape[-1]
+    keep = torch.zeros_like(probs, dtype=torch.bool)  # [N, V]
+    rows = torch.arange(probs.shape[0])  # rows whose nucleus is not found yet
+    for k in [min(k, V) for k in NUCLEUS_CANDIDATES] + [V]:
+        top, order = probs[rows].topk(k, dim=-1) if k < V else torch.sort(probs[rows], dim=-1, descending=True)
+        before = top.cumsum(-1) - top  # mass strictly before each
+        ends = before[:, -1] >= top_p if k < V else torch.ones(len(rows), dtype=torch.bool)  # nucleus within k
+        keep[rows[ends]] = keep[rows[ends]].scatter_(-1, order[ends], before[ends] < top_p)
+        rows = rows[~ends]
+        if len(rows) == 0:
+            break
+    return ~keep
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -90,8 +90,8 @@ def row_memory_bytes(engine: Engine, row: str) -> int:
     return engine.model.weight_bytes() + kv + sum(copies.values())
 
 
-def _row_key(engine: Engine, questions: list[Question], max_new_tokens: int, sampling: SamplingParams,
-             seed: int) -> dict:
+def _row_key(engine: Engine, questions: list[Question], max_new_tokens: int,
+             sampling: SamplingParams = SamplingParams(), seed: int = SAMPLING_SEED) -> dict:
     """What a finished row was measured with: a row file is reused only when all of it matches."""
     return {"model": engine.name, "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
             "max_new_tokens": max_new_tokens, "questions": [q.question_id for q in questions],
@@ -274,7 +274,8 @@ def plot_acceptance_by_depth(summary: dict):
                 ax.plot(range(1, len(acc) + 1), acc, "o-", ms=3, label=n.split(":", 1)[1])
         ax.set_title(f"{kind}: steps whose accepted path reached depth d")
         ax.set_xlabel("depth d")
-        ax.legend(fontsize=7)
+        if ax.lines:  # (an ablation without rows of this kind leaves its panel empty)
+            ax.legend(fontsize=7)
     axes[0].set_ylabel("fraction of steps")
     return fig
 

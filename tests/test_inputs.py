@@ -92,6 +92,9 @@ def test_ablation_rows_truncated_or_measured_otherwise_are_run_again(tmp_path, c
     assert "another dtype" in capsys.readouterr().err
     row.write_text(json.dumps({**key, "answers": []}))
     assert _finished_row(row, key) == {**key, "answers": []}
+    sampled = _row_key(e, read_questions(qfile), 8, SamplingParams(temperature=0.7), seed=1)
+    assert _finished_row(row, sampled) is None  # a greedy row is not a sampled one
+    assert "another sampling, seed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("hf", [True, False])

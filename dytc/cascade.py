@@ -77,13 +77,12 @@ class ChainBuilder:
         for j in range(start, upto + 1):
             self.kv[j] = level.name
         rows = logits[upto - start:]  # [1 + E, V]
-        coupled = not ctx.sampling.greedy and ctx.noise is not None
-        if level.name == self.alts_of or coupled:
+        if level.name == self.alts_of or ctx.coupled:
             top_p, top_i = ctx.draft_top(rows, list(range(L + upto, L + upto + len(rows))), self.top_k)  # [1+E, k]
             if level.name == self.alts_of:
                 for r, (p, i) in enumerate(zip(top_p.tolist(), top_i.tolist())):
                     self.alts[upto + r] = dict(zip(i, p))
-            if coupled:
+            if ctx.coupled:
                 return top_i[:, 0].tolist()
         return rows.argmax(-1).tolist()
 

@@ -78,6 +78,11 @@ class DraftContext:
             self.latency.observe(level.name, len(tokens), start, ms, tree=mask is not None)
         return logits, ms
 
+    @property
+    def coupled(self) -> bool:
+        """Whether the levels draft coupled to the verifier's noise (sampling; `draft_top`)."""
+        return not self.sampling.greedy and self.noise is not None
+
     def draft_top(self, logits: Tensor, positions: list[int], k: int) -> tuple[Tensor, Tensor]:
         """A level's k best next tokens after each of T rows and their draft probabilities ([T, k] each; row j is
         the token at `positions[j]`, so it drafts position positions[j] + 1). Greedy: the top k of its softmax.
@@ -85,7 +90,7 @@ class DraftContext:
         token at that position with, so the first is the target's own sample wherever the two perturbed argmaxes
         agree (a good level's do at about its greedy agreement; its plain argmax would match with probability
         p(x) only); the probabilities are the softmax of those perturbed scores (q itself where g = 0)."""
-        if self.sampling.greedy or self.noise is None:
+        if not self.coupled:
             return torch.softmax(logits.float(), -1).topk(k, dim=-1)
         scores = warp(logits.cpu(), self.sampling).log().double()  # [T, V] log q (-inf outside top-k / top-p)
         scores += torch.stack([self.noise(p + 1) for p in positions])  # + g

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
+import torch
 
 from dsia.levels import Level, reads_kv_of
 
@@ -55,7 +56,7 @@ from .ngram import PLD_NUM_TOKENS, Lookup, new_lookup
 from .policies import DraftContext, Policy
 from .router_step import Action, Node, Step, consecutive_runs, geometric
 from .sources import LOOKUPS, OVERRULED, PLD, overruled, sibling
-from .tree import DraftTree, ancestor_mask, depths, position_ids
+from .tree import DraftTree, ancestor_mask, depths
 
 GUESS_VERIFY_MS = (50.0, 1.0)  # before any verification is timed: V(N) = a + b (N - 1) ms, replaced after one step
 GUESS_LEVEL_SHARE = 0.5  # a level never profiled nor run costs this share of a verification of as many tokens
@@ -332,9 +333,9 @@ class DyTC(Policy):
         L, cost_ms = ctx.cache.length, step.level_ms[name]
         for a, b in consecutive_runs(pending):
             mask = ancestor_mask(tree.parents[:b], dev)[a:b]  # [T, b]
-            logits, ms = ctx.run_level(level, tree.tokens[a:b], position_ids(tree.parents[:b], L, dev)[a:b], L + a,
+            positions = [L + d for d in depths(tree.parents[:b])[a:b]]  # [T]
+            logits, ms = ctx.run_level(level, tree.tokens[a:b], torch.tensor(positions, device=dev), L + a,
                                        mask)  # [T, V]
-            positions = [] if ctx.sampling.greedy else [L + d for d in depths(tree.parents[:b])[a:b]]
             top_p, top_i = ctx.draft_top(logits, positions, self.cfg.top_k)  # [T, k]
             top_p, top_i = top_p.tolist(), top_i.tolist()
             predicted = float(cost_ms[min(b - a, len(cost_ms) - 1)])

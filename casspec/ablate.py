@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dsia.errors import CasspecError
-from dytc.sampling import GREEDY_BELOW, SamplingParams
+from dytc.sampling import SamplingParams
 from dytc.sources import BOTTOMS, DEFAULT_BOTTOM, LOOKUPS
 
 from .bench import (BASELINE, SAMPLING_SEED, Answer, Question, machine_line, make_runner, method_request,
@@ -207,7 +207,7 @@ def format_results(summary: dict) -> str:
 def _decoding(summary: dict) -> str:
     """'greedy', or the sampling warp and seed of a sampled run."""
     sp = summary.get("sampling") or {}
-    if sp.get("temperature", 0.0) < GREEDY_BELOW:
+    if SamplingParams(**sp).greedy:
         return "greedy"
     warp = ", ".join(f"{k} {v}" for k, v in sp.items() if (k, v) not in (("top_k", 0), ("top_p", 1.0)))
     return f"sampling ({warp}, seed {summary.get('seed', SAMPLING_SEED)})"

@@ -17,6 +17,7 @@ from pathlib import Path
 from dytc.acceptance import AcceptanceTracker
 from dytc.latency import LatencyModel
 
+from .autoprofile import profile_key
 from .loading import cache_root
 from .usercache import digest, read_json, write_json
 
@@ -30,9 +31,7 @@ class StateFile:
 
     @staticmethod
     def of(machine: dict, model: str, dtype: str, kernels: str = "") -> "StateFile":
-        key = {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
-               "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype,
-               "kernels": kernels}
+        key = profile_key(machine, model, dtype, kernels)  # (what the latency part depends on, like a profile)
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model)[:60]
         return StateFile(cache_root() / "state" / f"{slug}-{dtype}-{digest(key)}.json", key)
 

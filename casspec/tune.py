@@ -25,9 +25,9 @@ KERNELS_FILE = "kernels.json"  # in the user cache: key -> {"names", "timings_ms
 
 
 def weight_shapes(model: Transformer) -> list[tuple[int, int]]:
-    """[out, in] of one layer's projections and of the LM head (with the layer count, the model's shape key)."""
-    lw = model.layers[0]
-    return [tuple(w.shape) for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down, model.lm_head)]
+    """[out, in] of the products one layer runs (fused or not) and of the LM head (with the layer count, the
+    model's shape key)."""
+    return [tuple(w.shape) for w in model.layers[0].products() + [model.lm_head]]
 
 
 def tuning_key(model: Transformer) -> str:

@@ -364,13 +364,20 @@ class Transformer:
             return y if b is None else y + b
         return self.dense(x, w, b)
 
+    def _fused(self, i: int, key: str, weight: Tensor | None, parts: tuple[str, ...],
+               plan: Plan) -> Callable[[Tensor], Tensor] | None:
+        """One product for the projections `parts` of layer i: the plan's fused kernel, else the target's own fused
+        weight (where the layer has one and the plan replaces none of the parts), else None (one product each)."""
+        fn = plan.fused.get((i, key)) if plan.fused else None
+        if fn is None and weight is not None and not any((i, n) in plan.linears for n in parts):
+            fn = functools.partial(self.dense, w=weight)
+        return fn
+
     def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, kv: KvAccess, cos: Tensor,
                    sin: Tensor, plan: Plan) -> Tensor:
         s = self.spec
         T = x.shape[0]
-        qkv = plan.fused.get((i, "qkv")) if plan.fused else None
-        if qkv is None and lw.wqkv is not None and not any((i, n) in plan.linears for n in ("q", "k", "v")):
-            qkv = functools.partial(self.dense, w=lw.wqkv)  # the target's own fused weight
+        qkv = self._fused(i, "qkv", lw.wqkv, ("q", "k", "v"), plan)
         if qkv is not None and lw.q_norm is None and not lw.bias:  # one kernel, one RoPE call for q and k
             qk, v = qkv(x).split([(s.n_heads + s.n_kv_heads) * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
             qk = self.pointwise.rope(qk.reshape(T, s.n_heads + s.n_kv_heads, s.head_dim).transpose(0, 1), cos, sin)
@@ -412,9 +419,7 @@ class Transformer:
         return self._linear(i, "o", o, lw.wo, plan)
 
     def _mlp(self, i: int, lw: LayerWeights, x: Tensor, plan: Plan) -> Tensor:
-        gate_up = plan.fused.get((i, "gate_up")) if plan.fused else None
-        if gate_up is None and lw.w_gate_up is not None and not any((i, n) in plan.linears for n in ("gate", "up")):
-            gate_up = functools.partial(self.dense, w=lw.w_gate_up)  # the target's own fused weight
+        gate_up = self._fused(i, "gate_up", lw.w_gate_up, ("gate", "up"), plan)
         if gate_up is not None:
             gate, up = gate_up(x).chunk(2, dim=-1)  # [T, I] each
         else:

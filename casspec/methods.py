@@ -12,14 +12,14 @@ from dsia.errors import CasspecError
 from dsia.levels import LevelConfig, LevelRegistry
 from dytc.acceptance import AcceptanceTracker
 from dytc.cascade import Cascade, CascadeConfig
-from dytc.policies import ChainPolicy, PldPolicy, Policy, TreePolicy
+from dytc.policies import ChainConfig, ChainPolicy, PldPolicy, Policy, TreePolicy
 from dytc.router import DyTC, RouterConfig
 from dytc.sources import BOTTOMS, LOOKUPS, PLD
 
 if TYPE_CHECKING:
     from .request import Request
 
-SINGLE_LEVEL = ("sd", "tree")  # methods drafting with Request.level
+SINGLE_LEVEL = ("sd", "sd-rs", "tree")  # methods drafting with Request.level
 MULTI_LEVEL = ("vc", "tree+vc", "hc", "vc+hc", "dytc")  # methods drafting with Request.levels (empty: their defaults)
 SEGMENTED = ("hc", "vc+hc")  # multi-level methods whose sources are chain segments "SOURCE*K"
 WITH_BOTTOM = ("vc", "tree+vc", "vc+hc", "dytc")  # methods with statistical lookups beneath their levels
@@ -61,7 +61,10 @@ def _hc(req: Request, d: Drafters) -> Policy:
 POLICIES: dict[str, Callable[[Request, Drafters], Policy]] = {
     "ar": lambda req, d: Policy(),  # the root alone: plain autoregressive decoding
     "pld": lambda req, d: PldPolicy(),  # prompt lookup's chain
-    "sd": lambda req, d: ChainPolicy(d.levels.get(req.level)),  # one level's chain
+    "sd": lambda req, d: ChainPolicy(d.levels.get(req.level)),  # one level's chain (sampling: coupled drafts)
+    # the same chain sampled from the level's q and checked by recursive rejection sampling (sampling only; greedy
+    # it is sd)
+    "sd-rs": lambda req, d: ChainPolicy(d.levels.get(req.level), ChainConfig(coupled=False)),
     "tree": lambda req, d: TreePolicy(d.levels.get(req.level)),  # one level's tree
     "vc": _vc, "tree+vc": _vc, "hc": _hc, "vc+hc": _hc,  # CS Drafting's cascades
     "dytc": _dytc,  # the Dynamic Tree Cascade router

@@ -137,6 +137,16 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def rope_kv(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+            n_heads: int) -> Tensor:
+    """RoPE of q|k [H + Hkv, T, hd] and the writes of k and v [Hkv, T, hd] to the layer's cache [Hkv, S, hd] at
+    `slots` [T]; returns q [H, T, hd]. One kernel when compiled (eagerly: RoPE, then one copy each)."""
+    q, k = rope(qk, cos, sin).split([n_heads, qk.shape[0] - n_heads])
+    k_cache.index_copy_(1, slots, k)
+    v_cache.index_copy_(1, slots, v)
+    return q
+
+
 def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """A sublayer's output joining the residual stream and the next norm: (x + delta, RMSNorm(x + delta)), [T, D]
     each; one kernel when compiled."""
@@ -152,16 +162,18 @@ class Pointwise:
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]
     silu_mul: Callable[[Tensor, Tensor], Tensor]
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    rope_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor]
 
 
-EAGER = Pointwise(rms_norm, rope, silu_mul, add_rms_norm)
+EAGER = Pointwise(rms_norm, rope, silu_mul, add_rms_norm, rope_kv)
 
 
 @functools.cache
 def compiled_pointwise() -> Pointwise:
     """The elementwise steps compiled by torch.compile (Inductor; shapes dynamic, so compiled once each)."""
     compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    return Pointwise(compile_(rms_norm), compile_(rope), compile_(silu_mul), compile_(add_rms_norm))
+    return Pointwise(compile_(rms_norm), compile_(rope), compile_(silu_mul), compile_(add_rms_norm),
+                     compile_(rope_kv))
 
 
 class Transformer:
@@ -380,9 +392,14 @@ class Transformer:
         qkv = self._fused(i, "qkv", lw.wqkv, ("q", "k", "v"), plan)
         if qkv is not None and lw.q_norm is None and not lw.bias:  # one kernel, one RoPE call for q and k
             qk, v = qkv(x).split([(s.n_heads + s.n_kv_heads) * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
-            qk = self.pointwise.rope(qk.reshape(T, s.n_heads + s.n_kv_heads, s.head_dim).transpose(0, 1), cos, sin)
-            q, k = qk.split([s.n_heads, s.n_kv_heads])  # [H, T, hd], [Hkv, T, hd]
-            return self._attend(i, lw, q, k, v.reshape(T, s.n_kv_heads, s.head_dim).transpose(0, 1), cache, kv, plan)
+            qk = qk.reshape(T, s.n_heads + s.n_kv_heads, s.head_dim).transpose(0, 1)  # [H + Hkv, T, hd]
+            v = v.reshape(T, s.n_kv_heads, s.head_dim).transpose(0, 1)  # [Hkv, T, hd]
+            if kv.slots is not None:  # RoPE and both cache writes in one step (one kernel when compiled)
+                q = self.pointwise.rope_kv(qk, v, cos, sin, cache.k[i], cache.v[i], kv.slots, s.n_heads)
+                return self._attend(i, lw, q, cache, kv, plan)
+            q, k = self.pointwise.rope(qk, cos, sin).split([s.n_heads, s.n_kv_heads])  # [H, T, hd], [Hkv, T, hd]
+            self._write_kv(i, k, v, cache, kv)
+            return self._attend(i, lw, q, cache, kv, plan)
         if qkv is not None:  # one kernel for the three projections
             q, k, v = qkv(x).split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim,
                                     s.n_kv_heads * s.head_dim], dim=-1)
@@ -400,18 +417,25 @@ class Transformer:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H|Hkv, T, hd]
         q = self.pointwise.rope(q, cos, sin)
         k = self.pointwise.rope(k, cos, sin)
-        return self._attend(i, lw, q, k, v, cache, kv, plan)
+        self._write_kv(i, k, v, cache, kv)
+        return self._attend(i, lw, q, cache, kv, plan)
 
-    def _attend(self, i: int, lw: LayerWeights, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, kv: KvAccess,
-                plan: Plan) -> Tensor:
-        """Write k, v [Hkv, T, hd] to the cache, attend with q [H, T, hd] (RoPE applied), project: [T, D]."""
+    @staticmethod
+    def _write_kv(i: int, k: Tensor, v: Tensor, cache: KVCache, kv: KvAccess) -> None:
+        """Write layer i's k, v [Hkv, T, hd] (RoPE applied) to the slots the forward writes."""
+        if kv.slots is None:
+            cache.write(i, kv.start, k, v)
+        else:
+            cache.write_slots(i, kv.slots, k, v)
+
+    def _attend(self, i: int, lw: LayerWeights, q: Tensor, cache: KVCache, kv: KvAccess, plan: Plan) -> Tensor:
+        """Attend with q [H, T, hd] (RoPE applied) to layer i's cache (this forward's k, v written), project:
+        [T, D]."""
         s = self.spec
         T = q.shape[1]
         if kv.slots is None:
-            cache.write(i, kv.start, k, v)
             keys, values = cache.read(i, kv.end)  # [Hkv, end, hd]
         else:
-            cache.write_slots(i, kv.slots, k, v)
             keys, values = cache.k[i], cache.v[i]  # [Hkv, capacity + spare, hd]
         o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=kv.mask,
                                            is_causal=kv.is_causal, enable_gqa=s.n_heads != s.n_kv_heads)  # [1,H,T,hd]

@@ -143,6 +143,8 @@ class ChainConfig:
     max_tokens: int = 10  # longest chain drafted per step
     min_confidence: float = 0.4  # stop once the chain's cumulative draft probability falls below this
     cost_aware: bool = True  # also stop once it falls below the level's predicted cost ratio (module docstring)
+    coupled: bool = True  # sampling: draft argmax(log warp(q) + g) with the verifier's noise (verify_coupled);
+    # False: draw each token from q and check the chain by recursive rejection sampling (verify_sampling)
 
 
 class LevelPolicy(Policy):
@@ -183,15 +185,15 @@ class ChainPolicy(LevelPolicy):
             if d > 0 and self.cfg.cost_aware and conf < self.cost_ratio(ctx, 1, L + d, False):
                 break  # another forward would cost more than it can gain
             logits, _ = ctx.run_level(self.level, [tree.tokens[-1]], torch.tensor([L + d], device=dev), L + d)
-            if ctx.sampling.greedy:
-                probs = torch.softmax(logits[0], -1)  # [V]
-                tok = int(probs.argmax())
-                q = None
+            q = None  # a deterministic draft (greedy, or coupled to the verifier's noise)
+            if ctx.sampling.greedy or self.cfg.coupled:
+                top_p, top_i = ctx.draft_top(logits, [L + d], 1)  # [1, 1] each
+                tok, p = int(top_i[0, 0]), float(top_p[0, 0])
             else:
                 q = warp(logits.cpu(), ctx.sampling)[0]  # [V]: the distribution the token is drawn from (CPU)
                 tok = int(sample(q[None], ctx.generator)[0])
-                probs = q
-            conf *= float(probs[tok])
+                p = float(q[tok])
+            conf *= p
             tree.add(len(tree) - 1, tok, q)
             if tok in ctx.eos_ids:
                 break

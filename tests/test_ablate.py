@@ -62,6 +62,11 @@ def test_ablation_writes_results_resumes_and_fills_the_readme(tmp_path, monkeypa
     text = readme.read_text()
     assert "old" not in text and "| `sd:int8` |" in text and "](results/speedup_by_category.png)" in text
     assert text.endswith("\n\nrest\n")
+    sampled_begin, sampled_end = ab.readme_markers(sampled)
+    readme.write_text(text + f"{sampled_begin}\nold sampled\n{sampled_end}\n")
+    ab.update_readme(readme, sampled, out)  # a sampled run writes its own section, the greedy table stays
+    text = readme.read_text()
+    assert "old sampled" not in text and "| `sd:int8` |" in text and "sampling (temperature 0.8" in text
     readme.write_text("no markers")
     with pytest.raises(CasspecError, match="markers"):
         ab.update_readme(readme, summary, out)

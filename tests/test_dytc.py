@@ -5,6 +5,7 @@ import functools
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -259,7 +260,7 @@ WARPS = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature
 
 @settings(max_examples=30, deadline=None)
 @given(arch=st.sampled_from(ARCHS), seed=st.integers(0, 10_000),
-       method=st.sampled_from(["pld", "tree", "vc", "hc", "vc+hc", "dytc", "tree+vc"]),
+       method=st.sampled_from(["pld", "sd", "tree", "vc", "hc", "vc+hc", "dytc", "tree+vc"]),
        bottom=st.sampled_from(sorted(BOTTOMS)), sp=st.sampled_from(WARPS),
        prompt=st.lists(st.integers(3, 30), min_size=2, max_size=16), n=st.integers(1, 30))
 def test_seeded_sampling_of_deterministic_drafts_equals_ar(arch, seed, method, bottom, sp, prompt, n):
@@ -347,3 +348,22 @@ def test_every_level_forward_feeds_the_latency_model(method):
                                                    router=constant))
     assert r.stats.draft_forwards > 0
     assert e.latency.known("int8")
+
+
+def test_sd_couples_its_chain_and_sd_rs_samples_it_from_q():
+    """Under sampling `sd` drafts deterministic tokens coupled to the verifier's noise (no q: verify_coupled), and
+    `sd-rs` draws them from the level's q (kept per node: recursive rejection sampling)."""
+    e = tiny_engine("llama", 0)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8]
+    sp = SamplingParams(temperature=0.8)
+    level = e.levels.get("int4")
+    for coupled in (True, False):
+        e.cache.rollback(0)
+        e.extend_prefix(prompt)
+        ctx = DraftContext(e.model, e.cache, prompt + [5], sp, torch.Generator().manual_seed(0), e.eos_ids,
+                           budget=50, noise=Noise(0, e.model.lm_head.shape[0]))
+        policy = ChainPolicy(level, ChainConfig(min_confidence=0.0, cost_aware=False, coupled=coupled))
+        policy.begin(ctx)
+        tree = policy.draft(ctx)
+        assert len(tree) > 2
+        assert all((q is None) == coupled for q in tree.q[1:])

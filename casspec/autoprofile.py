@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dytc.latency import PROFILE_VERSION
+from dytc.latency import PROFILE_VERSION, read_predictor
 
 from .loading import cache_root
 from .usercache import digest, locked, read_json, write_json
@@ -40,10 +40,11 @@ def profile_path(key: dict) -> Path:
 
 
 def cached_profile(key: dict) -> dict | None:
-    """The profile made on an earlier first use under this key, or None (none, unreadable, another key)."""
+    """The profile made on an earlier first use under this key, or None (none, unreadable, another key, a malformed
+    predictor: it is measured again)."""
     prof = read_json(profile_path(key))
     ok = prof is not None and prof.get("version") == PROFILE_VERSION and prof.get("key") == key
-    return prof if ok and isinstance(prof.get("predictor"), dict) else None
+    return prof if ok and read_predictor(prof) is not None else None
 
 
 def autoprofile(engine: Engine, key: dict, progress: bool = True) -> dict | None:

@@ -13,7 +13,6 @@ unfinished gets a CasspecError (waiting would deadlock). `last_result` is per th
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from contextlib import contextmanager
@@ -26,7 +25,7 @@ from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
 from dsia.model import Transformer, compiled_pointwise
-from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, select_profile
+from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams, warp
 from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
@@ -42,6 +41,7 @@ from .request import Prompt, Request
 from .state import StateFile
 from .stats import Result, Stats
 from .tune import kernels_for
+from .usercache import read_json
 
 
 class Engine:
@@ -137,12 +137,14 @@ class Engine:
         this engine's own timings."""
         machine = machine_info(self.device.type)
         path = select_profile(machine, self.name, self._dtype_name, self.build)
-        if path is not None:
-            return LatencyModel.from_json(json.loads(path.read_text())["predictor"]), f"profile {path.name}"
+        latency = read_predictor(read_json(path)) if path is not None else None
+        if latency is not None:
+            return latency, f"profile {path.name}"
         key = profile_key(machine, self.name, self._dtype_name, self.build)
         prof = run_autoprofile(self, key) if autoprofile else cached_profile(key)
-        if prof is not None:
-            return LatencyModel.from_json(prof["predictor"]), f"profile made on first use ({prof['created']})"
+        latency = read_predictor(prof) if prof is not None else None
+        if latency is not None:
+            return latency, f"profile made on first use ({prof.get('created')})"
         s = self.model.spec
         elem = self.model.embed.element_size()
         spec = FeatureSpec.for_model(self.model.weight_bytes() // elem, s.n_layers, s.n_heads, s.n_kv_heads,

@@ -11,13 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
 from filelock import FileLock, Timeout
 
+from dsia.errors import warn
+
+UNWRITABLE = "unwritable user cache"  # the warning key of a failed write: one line per process, not one per file
 LOCK_TIMEOUT_S = 600.0  # longest wait for another process building the same entry before building it anyway
 
 
@@ -44,8 +46,9 @@ def write_atomic(path: Path, data: bytes) -> bool:
         os.replace(tmp, path)
         return True
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        print(f"casspec: warning: cannot write {path} ({e.strerror}); it is rebuilt next time", file=sys.stderr)
+        with suppress(OSError):  # (the folder may be a file, or gone)
+            tmp.unlink(missing_ok=True)
+        warn(f"cannot write {path} ({e.strerror}); it is rebuilt next time", UNWRITABLE)
         return False
 
 

@@ -11,6 +11,7 @@ returns None and goes through transformers as before; the HF model is then loade
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ from dsia.model import LayerWeights, ModelSpec, Transformer
 
 PROJECTIONS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
                "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a layer's tensor names
 BIASED = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj"}  # Qwen2's q/k/v bias
 
 
@@ -57,10 +59,7 @@ def read_runtime(path: Path, dtype: torch.dtype, device: torch.device) -> Transf
     def w(name: str) -> torch.Tensor:
         return state[name].to(device=device, dtype=dtype)
 
-    missing = sorted(n for n in expected_names(spec, config) if n not in state)
-    if missing:
-        raise CasspecError(f"missing weight tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
-                           f"({len(missing)} in all)")
+    check_tensors(state, spec, config)
 
     layers = []
     for i in range(spec.n_layers):
@@ -76,18 +75,44 @@ def read_runtime(path: Path, dtype: torch.dtype, device: torch.device) -> Transf
                        1.0)
 
 
-def expected_names(spec: ModelSpec, config: dict) -> list[str]:
-    """The tensors a checkpoint of this spec must hold (biases are optional)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+def expected_shapes(spec: ModelSpec, config: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of this spec must hold, with their shapes (biases are optional, see BIASED)."""
+    d, q, kv, ffn, hd = (spec.dim, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.intermediate,
+                         spec.head_dim)
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, d), "model.norm.weight": (d,)}
     if not config.get("tie_word_embeddings", False):
-        names.append("lm_head.weight")
+        shapes["lm_head.weight"] = (spec.vocab_size, d)
+    per_layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+                 "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+                 "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+                 "mlp.gate_proj.weight": (ffn, d), "mlp.up_proj.weight": (ffn, d), "mlp.down_proj.weight": (d, ffn)}
+    if spec.qk_norm:
+        per_layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
     for i in range(spec.n_layers):
-        pre = f"model.layers.{i}."
-        names += [pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"]
-        names += [pre + name + ".weight" for name in PROJECTIONS.values()]
-        if spec.qk_norm:
-            names += [pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"]
-    return names
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()}
+    return shapes
+
+
+def check_tensors(state: dict[str, torch.Tensor], spec: ModelSpec, config: dict) -> None:
+    """A CasspecError unless the weights are the ones config.json describes: none missing, each of its shape (with
+    the optional q/k/v biases), and no layer beyond num_hidden_layers (a config that lost layers)."""
+    shapes = expected_shapes(spec, config)
+    missing = sorted(n for n in shapes if n not in state)
+    if missing:
+        raise CasspecError(f"missing weight tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
+                           f"({len(missing)} in all)")
+    q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    for i in range(spec.n_layers):
+        shapes |= {f"model.layers.{i}.{name}.bias": (q if n == "q" else kv,) for n, name in BIASED.items()}
+    wrong = [n for n, shape in shapes.items() if n in state and tuple(state[n].shape) != shape]
+    if wrong:
+        n = wrong[0]
+        raise CasspecError(f"weight tensor {n} has shape {list(state[n].shape)} where config.json gives "
+                           f"{list(shapes[n])}: config.json and the weights do not match; re-download the checkpoint")
+    extra = sorted(n for n in state if (m := LAYER.match(n)) and int(m.group(1)) >= spec.n_layers)
+    if extra:
+        raise CasspecError(f"the weights hold {extra[0]} but config.json gives num_hidden_layers "
+                           f"{spec.n_layers}: config.json and the weights do not match; re-download the checkpoint")
 
 
 def generation_eos(path: Path) -> tuple[int, ...]:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dsia.errors import warn
+
 TARGET_LEVEL = "target"  # the level name under which the target's own forward is profiled
 KNOTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # token counts where the latency's slope in T may change
 PROFILE_VERSION = 1
@@ -301,20 +303,52 @@ def default_profiles() -> Path:
         return Path(__file__).resolve().parent.parent / "profiles"
 
 
+def read_predictor(prof: object) -> LatencyModel | None:
+    """The predictor of a profile (a parsed profile JSON), or None when it is missing or malformed: it must build
+    and predict once for each of its levels (keys, list lengths and matrix shapes all checked)."""
+    try:
+        model = LatencyModel.from_json(prof["predictor"])  # type: ignore[index]
+        for fit in model.levels.values():
+            mean, std = fit.predict(model.spec.features(1, 1)[None])
+            if not (np.isfinite(mean).all() and np.isfinite(std).all()):
+                return None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, ArithmeticError):  # LinAlgError: ValueError
+        return None
+    return model
+
+
+def _profile_header(path: Path) -> dict | None:
+    """The profile JSON in `path`, or None, with one warning line, when it is unreadable, truncated or not a profile
+    (a JSON object with machine, model and dtype)."""
+    try:
+        prof = json.loads(path.read_text())
+    except (OSError, ValueError):
+        prof = None
+    if not (isinstance(prof, dict) and isinstance(prof.get("machine"), dict) and "model" in prof and "dtype" in prof):
+        warn(f"skipping the latency profile {path}: it is unreadable, truncated or not a profile; measure it again "
+             "with casspec profile")
+        return None
+    return prof
+
+
 def select_profile(machine: dict, model: str, dtype: str, kernels: str | None = None,
                    folder: str | Path | None = None) -> Path | None:
     """The newest profile in `folder` measured on this CPU model and GPU, for this model and dtype, with these
-    dense kernels (a profile that does not record its kernels matches any), else None."""
+    dense kernels (a profile that does not record its kernels matches any), else None. A file that is not a
+    profile, or a matching one whose predictor is malformed, is skipped with one warning line."""
     folder = Path(folder) if folder is not None else default_profiles()
     best: tuple[str, Path] | None = None
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            prof = json.loads(path.read_text())
-            m = prof["machine"]
-            ok = (prof.get("version") == PROFILE_VERSION and m.get("cpu") == machine.get("cpu")
-                  and m.get("gpu") == machine.get("gpu") and prof["model"] == model and prof["dtype"] == dtype
-                  and prof.get("kernels") in (None, kernels))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        prof = _profile_header(path)
+        if prof is None:
+            continue
+        m = prof["machine"]
+        ok = (prof.get("version") == PROFILE_VERSION and m.get("cpu") == machine.get("cpu")
+              and m.get("gpu") == machine.get("gpu") and prof["model"] == model and prof["dtype"] == dtype
+              and prof.get("kernels") in (None, kernels))
+        if ok and read_predictor(prof) is None:
+            warn(f"skipping the latency profile {path}: its predictor is missing or malformed; measure it again "
+                 "with casspec profile")
             continue
         if ok and (best is None or str(prof.get("created", "")) >= best[0]):
             best = (str(prof.get("created", "")), path)

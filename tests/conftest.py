@@ -66,3 +66,11 @@ def tiny_engine_factory():
     from tiny import tiny_engine
 
     return tiny_engine
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test sees its own once-per-process warnings (dsia.errors.warn with a key)."""
+    import dsia.errors
+
+    monkeypatch.setattr(dsia.errors, "_warned", set())

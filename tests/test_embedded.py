@@ -48,7 +48,7 @@ def test_cli_answers_capital_of_france():
 
 def test_stale_or_corrupt_cache_is_rebuilt(embedded_engine, tmp_path, monkeypatch, capsys):
     gguf = loading.embedded_gguf()
-    entry_name = f"gguf-{loading.file_sha256(gguf)[:24]}"
+    entry_name = loading.gguf_entry(loading.file_sha256(gguf)).name
     src = loading.cache_root() / entry_name
     assert (src / loading.CACHE_MANIFEST).is_file()
     monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path))

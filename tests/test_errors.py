@@ -157,3 +157,35 @@ def test_chat_messages_need_a_template(hf_dir):
         e.generate([{"role": "user", "content": "w5"}])
     with pytest.raises(CasspecError, match="non-empty list"):
         e.generate([])
+
+
+def test_a_cuda_index_beyond_the_gpus_is_refused(capsys, hf_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert loading.resolve_device("cuda:1") == torch.device("cuda:1")
+    rc, _, err = run_cli(capsys, "generate", "w5", "--model", str(hf_dir), "--device", "cuda:9")
+    assert_one_line_error(rc, err, "'cuda:9' does not exist", "2 CUDA GPU(s)", "cuda:0 or cuda:1")
+
+
+def test_a_corrupt_committed_profile_of_this_machine_is_skipped_with_one_warning(tmp_path, monkeypatch, capsys):
+    """A shipped profile that matches this machine, model and dtype but is truncated, not an object, or has a
+    malformed predictor is skipped (the engine fits its latency online), never a KeyError."""
+    import dytc.latency
+    from dytc.latency import PROFILE_VERSION, machine_info
+    from tiny import tiny_engine
+
+    machine = machine_info("cpu")
+    header = {"version": PROFILE_VERSION, "created": "2099-01-01", "machine": machine, "model": "tiny-llama",
+              "dtype": "float32"}
+    text = json.dumps({**header, "predictor": {"spec": {}, "levels": {}}})  # no "online": from_json's KeyError
+    (tmp_path / "a-broken-predictor.json").write_text(text)
+    (tmp_path / "b-truncated.json").write_text(text[: len(text) // 2])
+    (tmp_path / "c-not-an-object.json").write_text(json.dumps([header]))
+    monkeypatch.setattr(dytc.latency, "default_profiles", lambda: tmp_path)
+    capsys.readouterr()
+    e = tiny_engine("llama", 0)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("casspec: warning: skipping the latency profile") for line in lines)
+    assert [n for n in ("a-broken", "b-truncated", "c-not") if any(n in line for line in lines)] == [
+        "a-broken", "b-truncated", "c-not"]
+    assert e.latency_source.startswith("no profile"), e.latency_source

@@ -91,3 +91,51 @@ def joint_chi2_p(obs, joint) -> float:
     if joint[~big].sum() > 0:
         o, x = o + [float(obs[~big].sum())], x + [float(joint[~big].sum() * n)]
     return chi2_p(o, x)
+
+
+def tiny_gguf(path, seed: int = 0, dim: int = 16, layers: int = 2, heads: int = 2, kv_heads: int = 1,
+              block_count: int | None = None):
+    """A tiny float32 Llama GGUF (tied head) with a byte-level BPE vocabulary (the 256 byte symbols, one merge
+    'a b', then <s> and </s>), written with gguf's GGUFWriter: a few tens of KB that dequantize in well under a
+    second. block_count: the layer count its header claims (default: `layers`, the layers it holds). Returns
+    `path`."""
+    import numpy as np
+    from gguf import GGUFWriter, TokenType
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values()) + ["ab", "<s>", "</s>"]
+    vocab, ffn, kv_dim = len(tokens), 2 * dim, kv_heads * (dim // heads)
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(layers if block_count is None else block_count)
+    w.add_context_length(64)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(dim // heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([TokenType.NORMAL] * (vocab - 2) + [TokenType.CONTROL] * 2)
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(vocab - 2)
+    w.add_eos_token_id(vocab - 1)
+    rng = np.random.default_rng(seed)
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (dim,), f"blk.{i}.ffn_norm.weight": (dim,),
+                   f"blk.{i}.attn_q.weight": (dim, dim), f"blk.{i}.attn_k.weight": (kv_dim, dim),
+                   f"blk.{i}.attn_v.weight": (kv_dim, dim), f"blk.{i}.attn_output.weight": (dim, dim),
+                   f"blk.{i}.ffn_gate.weight": (ffn, dim), f"blk.{i}.ffn_up.weight": (ffn, dim),
+                   f"blk.{i}.ffn_down.weight": (dim, ffn)}
+    for name, shape in shapes.items():
+        norm = len(shape) == 1
+        w.add_tensor(name, (rng.uniform(0.7, 1.3, shape) if norm else rng.normal(0, 0.2, shape)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

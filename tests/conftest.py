@@ -54,8 +54,8 @@ def embedded_tokenizer():
 
     gguf = loading.embedded_gguf()
     sha = loading.file_sha256(gguf)
-    entry = loading.cache_root() / f"gguf-{sha[:24]}"
-    if loading._cache_valid(entry, sha):
+    entry = loading.gguf_entry(sha)
+    if (entry / loading.CACHE_MANIFEST).is_file():  # (a tokenizer only: the weights' checksums do not matter here)
         return AutoTokenizer.from_pretrained(entry)
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 

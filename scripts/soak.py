@@ -6,7 +6,8 @@
 Part 1: one generation of --long tokens (the context window set to twice that; the prompt asks for a long text and
 EOS is ignored so that it runs to the end). Part 2: --runs back-to-back generations on the same Engine, cycling over
 the dev questions' first turns. Reported: resident memory (RSS) after the first generation and at the end (growth
-in %), tok/s of the first and last tenth of the runs (medians), and the sizes of the engine's per-engine caches.
+in %), tok/s of the first and last tenth of the runs (medians; different prompts) and of each prompt's last run
+over its first (median over prompts), and the sizes of the engine's per-engine caches.
 """
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def rss_mb() -> float:
 def prompts(path: str) -> list[str]:
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     return [json.loads(line)["turns"][0] for line in lines if line.strip()]
+
+
+def same_prompt_ratio(speeds: list[float], n_prompts: int) -> float | None:
+    """Median over the prompts run more than once (run i used prompt i % n_prompts) of the tok/s of its last run
+    over that of its first; None when no prompt ran twice."""
+    ratios = [speeds[i] / speeds[i % n_prompts] for i in range(len(speeds) - n_prompts, len(speeds))
+              if i >= n_prompts and speeds[i % n_prompts] > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                       "rss_growth_pct": 100 * (rss[-1] - rss[0]) / rss[0],
                       "tok_s_first_tenth": statistics.median(speeds[:tenth]),
                       "tok_s_last_tenth": statistics.median(speeds[-tenth:]),
+                      # the tenths hold different prompts (speed varies by prompt): the same prompt's last run
+                      # against its first, median over the prompts run more than once
+                      "same_prompt_last_over_first": same_prompt_ratio(speeds, len(texts)),
+                      "tok_s": speeds,
                       "levels": len(engine.levels.levels), "trackers": len(engine.drafters.trackers)}
     print(json.dumps(report, indent=1))
     if args.out:

@@ -311,6 +311,49 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
             "sampling": vars(sampling), "baseline": BASELINE, "methods": methods}
 
 
+REFERENCE = "ar"  # casspec's own one-token decoding: what every engine method's greedy output is compared with
+
+
+def first_divergence(engine: Engine, q: Question, ref: Answer, ans: Answer) -> dict | None:
+    """Where a greedy answer first leaves the reference's (None: every turn equal): the turn, the token index, the
+    two tokens, and the target's logits there, from one forward over the turn's prompt (the reference's earlier
+    answers as history, equal to the method's) plus the tokens both emitted: gap = logit[reference's token] -
+    logit[method's token] (> 0 where the reference took the target's argmax), margin = top-1 - top-2 logit."""
+    messages: list[dict] = []
+    for t, (mine, theirs) in enumerate(zip(ans.token_ids, ref.token_ids)):
+        messages.append({"role": "user", "content": q.turns[t]})
+        if mine != theirs:
+            i = next(i for i, (x, y) in enumerate(zip(mine + [None], theirs + [None])) if x != y)
+            if i >= len(mine) or i >= len(theirs):  # one stopped where the other went on (an EOS at a near-tie)
+                a, b = (theirs[i] if i < len(theirs) else None), (mine[i] if i < len(mine) else None)
+            else:
+                a, b = theirs[i], mine[i]
+            with torch.inference_mode():
+                engine.cache.rollback(0)
+                logits = engine.extend_prefix(engine.encode(messages) + theirs[:i])[-1].float()  # [V]
+            top2 = logits.topk(2).values
+            gap = None if a is None or b is None else float(logits[a] - logits[b])
+            return {"question_id": q.question_id, "turn": t, "index": i, "reference_token": a, "token": b,
+                    "gap": gap, "margin": float(top2[0] - top2[1])}
+        messages.append({"role": "assistant", "content": ref.turns[t]})
+    return None
+
+
+def divergences(engine: Engine, questions: list[Question], answers: dict[str, list[Answer]]) -> dict:
+    """Per engine method: whether its greedy output equals `ar`'s (REFERENCE) and, per question that differs, the
+    first divergence (`first_divergence`). Empty unless the run holds `ar`."""
+    if REFERENCE not in answers:
+        return {}
+    ref = answers[REFERENCE]
+    out = {}
+    for m, ans in answers.items():
+        if m in HF_METHODS or m == REFERENCE:
+            continue
+        found = [d for q, r, a in zip(questions, ref, ans) if (d := first_divergence(engine, q, r, a)) is not None]
+        out[m] = {"identical_to_ar": not found, "ar_divergences": found}
+    return out
+
+
 def _engine_stats(ans: list[Answer]) -> dict:
     """Draft / verify time split and acceptance by depth, summed over every turn (engine methods only).
 
@@ -359,15 +402,20 @@ def machine_line(summary: dict) -> str:
 
 
 def format_table(summary: dict) -> str:
-    rows = [("method", "tokens/s", "speedup", "MAT", "identical", "questions", "draft s / verify s", "policy ms/step")]
+    rows = [("method", "tokens/s", "speedup", "MAT", "identical", "= ar", "questions", "draft s / verify s",
+             "policy ms/step")]
     for name, m in summary["methods"].items():
         ident = "-" if m["identical_to_baseline"] is None else str(m["identical_to_baseline"]).lower()
         if m.get("differing_turns"):
             ident += f" ({len(m['differing_turns'])} turns differ)"
+        same = "-" if m.get("identical_to_ar") is None else str(m["identical_to_ar"]).lower()
+        if m.get("ar_divergences"):
+            gaps = [abs(d["gap"]) for d in m["ar_divergences"] if d["gap"] is not None]
+            same += f" ({len(m['ar_divergences'])} questions" + (f", max gap {max(gaps):.3g})" if gaps else ")")
         split = f"{m['draft_seconds']:.1f} / {m['verify_seconds']:.1f}" if "draft_seconds" in m else "-"
         policy = f"{m['policy_ms_per_step']:.2f}" if "policy_ms_per_step" in m else "-"
         rows.append((name, f"{m['tokens_per_s']:.2f}", f"{m['speedup']:.3f}", f"{m['mean_accepted_tokens']:.2f}",
-                     ident, str(m["questions"]), split, policy))
+                     ident, same, str(m["questions"]), split, policy))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -414,7 +462,10 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
                                                  "wall_time_repeats": a.wall_time, "forwards": a.forwards,
                                                  "token_ids": a.token_ids}]}) + "\n")
     summary = summarize(engine, answers, max_new_tokens, dtype, sampling)
-    if not sampling.greedy:
+    if sampling.greedy:  # (after the timed runs)
+        for m, d in divergences(engine, questions, answers).items():
+            summary["methods"][m].update(d)
+    else:
         summary["seed"] = seed
     summary["repeats"] = repeats
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

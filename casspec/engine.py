@@ -47,7 +47,7 @@ from .usercache import read_json
 class Engine:
     def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
                  graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
-                 keep_state: bool = True, fuse_projections: bool | None = None) -> None:
+                 keep_state: bool = True, fuse_projections: bool | None = None, reuse_prefix: bool = True) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
         every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on
         a GPU; without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do).
@@ -55,7 +55,11 @@ class Engine:
         a GPU). autoprofile: measure a latency profile (about a minute, once per machine, model and dtype; user
         cache) when none matches. keep_state: read the acceptance and latency state earlier processes learned, and
         keep this one's for the next (user cache). fuse_projections: the target's q|k|v and gate|up products as
-        one each (default: on a GPU, where the wider products come closer to the memory's bandwidth)."""
+        one each (default: on a GPU, where the wider products come closer to the memory's bandwidth). reuse_prefix:
+        a prompt that starts with tokens the previous generation left in the KV cache (a chat's earlier turns and
+        answer) prefills only the rest, as llama.cpp's prompt cache and vLLM's prefix caching do; that KV was
+        written by the previous generation's forwards, whose float32 results differ from one prefill's in the last
+        bits, as a tree verification's differ from a one-token step's."""
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -97,20 +101,23 @@ class Engine:
         self._lock = threading.Lock()  # held by the generation that runs (see the module's docstring)
         self._owner: int | None = None  # the thread that holds it
         self._local = threading.local()  # per thread: the Result of its latest generation
+        self.reuse_prefix = reuse_prefix
+        self._left: tuple[list[int], int] = ([], -1)  # tokens the last generation left committed, cache.changes then
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", max_context: int | None = None,
                         kernels: str = "auto", graphs: bool | None = None, compile_pointwise: bool | None = None,
                         autoprofile: bool = True, keep_state: bool = True, hf: bool = True,
-                        fuse_projections: bool | None = None) -> "Engine":
+                        fuse_projections: bool | None = None, reuse_prefix: bool = True) -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
         model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
         t0 = time.perf_counter()
         loaded = load(model, dtype, device, hf)
         load_s = time.perf_counter() - t0
         engine = cls(loaded, max_context, kernels, graphs=graphs, compile_pointwise=compile_pointwise,
-                     autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections)
+                     autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections,
+                     reuse_prefix=reuse_prefix)
         engine.setup = {"load": load_s, **engine.setup}
         return engine
 
@@ -311,15 +318,33 @@ class Engine:
         # the levels' coupled drafts read too
         generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)
         noise = None if req.sampling.greedy else Noise(seed, self.model.lm_head.shape[0])
-        cache.rollback(0)
-        with stats.timer("prefill"):  # the whole prompt in one forward; its last row gives the first token
+        stats.reused_tokens = self._reusable(prompt_ids)
+        cache.rollback(stats.reused_tokens)
+        with stats.timer("prefill"):  # the rest of the prompt in one forward; its last row gives the first token
             root = self._pick(self.extend_prefix(prompt_ids), req.sampling, noise, len(prompt_ids))
         stats.target_forwards = 1
         ctx = DraftContext(self.model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
                            budget=req.max_new_tokens - 1, latency=self.latency, noise=noise)
+        try:
+            yield from self._steps(ctx, req, stats, policy, generator, noise)
+        finally:  # (also when the caller stops early): what the cache holds, for the next prompt to reuse
+            self._left = (ctx.history[:cache.length], cache.changes)
+
+    def _reusable(self, prompt_ids: list[int]) -> int:
+        """How many leading prompt tokens the cache still holds from the last generation (at most all but the
+        last: its logits give the first token); 0 when reuse is off or anything changed the cache since."""
+        left, changes = self._left
+        if not self.reuse_prefix or changes != self.cache.changes:
+            return 0
+        n = min(len(left), len(prompt_ids) - 1)
+        return next((i for i in range(n) if left[i] != prompt_ids[i]), max(n, 0))
+
+    def _steps(self, ctx: DraftContext, req: Request, stats: Stats, policy: Policy,
+               generator: torch.Generator | None, noise: Noise | None) -> Iterator[list[int]]:
+        cache = self.cache
         with stats.timer("draft"):
             policy.begin(ctx)
-        yield [root]
+        yield [ctx.history[-1]]
         while cache.length + 1 < cache.capacity:
             with stats.timer("draft"):
                 tree = policy.draft(ctx)  # draft

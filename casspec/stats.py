@@ -21,6 +21,7 @@ class Stats:
     new_tokens: int = 0
     seconds: float = 0.0  # wall time of the whole generation, prefill included
     prefill_seconds: float = 0.0
+    reused_tokens: int = 0  # prompt tokens whose KV the previous generation left in the cache (not prefilled)
     first_token_seconds: float = 0.0  # from the call to the first token (the prefill's), the levels' set-up included
     draft_seconds: float = 0.0  # the policy's time: drafting, and learning after each step
     verify_seconds: float = 0.0  # target forwards over the trees, acceptance, commits
@@ -89,7 +90,7 @@ class Stats:
                 "num_accepted_tokens_per_pos": list(self.accepted_by_depth),
                 "drafted_by_source": dict(self.policy.get("drafted_by_source", {})),
                 "accepted_by_source": dict(self.policy.get("accepted_by_source", {})),
-                "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
+                "reused_tokens": self.reused_tokens, "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
                 "verify_seconds": self.verify_seconds, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
 
     def as_dict(self) -> dict:
@@ -105,7 +106,7 @@ class Stats:
 
     def summary(self) -> str:
         return (f"[{self.method}] {self.new_tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_s:.1f} tok/s); "
-                f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f}s; "
+                f"prompt {self.prompt_tokens} tokens ({self.reused_tokens} reused), prefill {self.prefill_seconds:.2f}s; "
                 f"{self.target_forwards} target forwards, mean accepted {self.mean_accepted_tokens:.2f}; "
                 f"draft {self.draft_seconds:.2f}s (level forwards {self.draft_forward_seconds:.2f}s, policy "
                 f"{self.policy_ms_per_step:.2f} ms/step), verify {self.verify_seconds:.2f}s "

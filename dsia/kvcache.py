@@ -22,6 +22,7 @@ class KVCache:
         self.capacity = capacity  # slots tokens can use
         self.spare = spare  # slots [capacity, capacity + spare): padding rows write there, nothing reads them
         self.length = 0  # committed tokens
+        self.changes = 0  # commits and rollbacks so far: whoever noted it knows whether the prefix changed since
         self.zeroed = 0  # slots [0, zeroed) have been initialised
 
     def reserve(self, end: int) -> None:
@@ -70,8 +71,10 @@ class KVCache:
             self.k[:, :, self.length:self.length + n] = self.k.index_select(2, src)
             self.v[:, :, self.length:self.length + n] = self.v.index_select(2, src)
         self.length += n
+        self.changes += 1
 
     def rollback(self, length: int) -> None:
         """Forget everything from slot `length` on."""
         assert 0 <= length <= self.length
         self.length = length
+        self.changes += 1

@@ -195,3 +195,25 @@ def test_cancel_stops_a_stream_after_the_running_step():
     res = e.last_result
     assert res.stats.finish_reason == "cancelled" and len(res.token_ids) == 1 and res.stats.target_forwards == 1
     assert "".join(pieces) == res.text == e.decode(res.token_ids)
+
+
+@pytest.mark.parametrize("method", ["ar", "dytc"])
+def test_a_chat_turn_prefills_only_what_the_cache_does_not_hold(method):
+    """A second turn (the first turn's prompt, its answer, a new message) reuses the KV the first left in the
+    cache and gives the tokens a fresh engine gives; anything else touching the cache in between, or a prompt
+    sharing nothing, prefills from scratch."""
+    req = Request(max_new_tokens=12, method=method, router=RouterConfig(constant_cost=0.3))
+    e, fresh = tiny_engine("llama", 1), tiny_engine("llama", 1, reuse_prefix=False)
+    first = [5, 9, 14, 5, 9, 30, 41]
+    out = e.generate_ids(first, req).token_ids
+    second = first + out + [7, 8, 9]
+    r = e.generate_ids(second, req)
+    assert r.stats.reused_tokens >= len(first) + len(out) - 1 and "reused" in r.stats.summary()
+    assert r.token_ids == fresh.generate_ids(second, req).token_ids
+    assert fresh.last_result.stats.reused_tokens == 0
+    e.cache.rollback(0)  # a tool drove the cache: nothing is reused
+    e.extend_prefix([11, 12, 13])
+    assert e.generate_ids(second, req).stats.reused_tokens == 0
+    assert e.generate_ids([60, 61], req).stats.reused_tokens == 0  # nothing in common
+    again = e.generate_ids([60, 61], req)  # the same prompt again: all but its last token
+    assert again.stats.reused_tokens == 1 and again.token_ids == fresh.generate_ids([60, 61], req).token_ids

@@ -90,8 +90,8 @@ class Stats:
                 "num_accepted_tokens_per_pos": list(self.accepted_by_depth),
                 "drafted_by_source": dict(self.policy.get("drafted_by_source", {})),
                 "accepted_by_source": dict(self.policy.get("accepted_by_source", {})),
-                "reused_tokens": self.reused_tokens, "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
-                "verify_seconds": self.verify_seconds, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
+                "reused_tokens": self.reused_tokens, "prefill_seconds": self.prefill_seconds,
+                "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
 
     def as_dict(self) -> dict:
         d = dict(vars(self))

@@ -91,7 +91,8 @@ class Stats:
                 "drafted_by_source": dict(self.policy.get("drafted_by_source", {})),
                 "accepted_by_source": dict(self.policy.get("accepted_by_source", {})),
                 "reused_tokens": self.reused_tokens, "prefill_seconds": self.prefill_seconds,
-                "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s}
+                "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds, "seconds": self.seconds,
+                "tokens_per_s": self.tokens_per_s}
 
     def as_dict(self) -> dict:
         d = dict(vars(self))
@@ -106,7 +107,8 @@ class Stats:
 
     def summary(self) -> str:
         return (f"[{self.method}] {self.new_tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_s:.1f} tok/s); "
-                f"prompt {self.prompt_tokens} tokens ({self.reused_tokens} reused), prefill {self.prefill_seconds:.2f}s; "
+                f"prompt {self.prompt_tokens} tokens ({self.reused_tokens} reused), "
+                f"prefill {self.prefill_seconds:.2f}s; "
                 f"{self.target_forwards} target forwards, mean accepted {self.mean_accepted_tokens:.2f}; "
                 f"draft {self.draft_seconds:.2f}s (level forwards {self.draft_forward_seconds:.2f}s, policy "
                 f"{self.policy_ms_per_step:.2f} ms/step), verify {self.verify_seconds:.2f}s "

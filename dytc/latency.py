@@ -59,10 +59,15 @@ class FeatureSpec:
 
     def features(self, tokens: int, context: int, tree: bool = False) -> np.ndarray:
         """[F] raw features of one forward (the intercept is added after scaling)."""
-        hinges = [max(0.0, float(tokens - k)) for k in KNOTS]
-        roof = [tokens * self.gflop_per_token, context * self.kv_mb_per_token,
-                tokens * context * self.attn_mflop_per_pair, float(tree) * tokens]
-        return np.array(roof + hinges, dtype=np.float64)
+        return self.feature_rows(np.array([tokens]), context, tree)[0]
+
+    def feature_rows(self, tokens: np.ndarray, context: int, tree: bool = False) -> np.ndarray:
+        """[K, F] raw features of K forwards, over tokens[k] [K] tokens each, at one context."""
+        t = np.asarray(tokens, dtype=np.float64)[:, None]  # [K, 1]
+        roof = np.concatenate([t * self.gflop_per_token, np.full_like(t, context * self.kv_mb_per_token),
+                               t * context * self.attn_mflop_per_pair, t * float(tree)], axis=1)  # [K, 4]
+        hinges = np.maximum(0.0, t - np.asarray(KNOTS, dtype=np.float64))  # [K, knots]
+        return np.concatenate([roof, hinges], axis=1)
 
 
 @dataclass(frozen=True)
@@ -82,35 +87,45 @@ class OnlineConfig:
     intercept_precision: float = 1e-6  # prior precision of the intercept (nearly flat)
 
 
-@dataclass
+ARRAYS = ("mu", "sd", "prior", "P", "b")  # LevelFit's arrays (float64; plain lists in JSON)
+
+
+@dataclass(eq=False)
 class LevelFit:
     """Gaussian posterior over the weights of one level, in standardised feature space."""
-    mu: list[float]  # [F] feature means
-    sd: list[float]  # [F] feature scales
+    mu: np.ndarray  # [F] feature means
+    sd: np.ndarray  # [F] feature scales
     alpha: float  # noise precision, 1/ms^2
-    prior: list[float]  # [F+1] prior precision diagonal (intercept first)
-    P: list[list[float]]  # [F+1, F+1] posterior precision
-    b: list[float]  # [F+1] posterior mean = P^-1 b
+    prior: np.ndarray  # [F+1] prior precision diagonal (intercept first)
+    P: np.ndarray  # [F+1, F+1] posterior precision
+    b: np.ndarray  # [F+1] posterior mean = P^-1 b
     n: int = 0  # observations absorbed (profile points + online)
     weight_bytes: int | None = None  # bytes of weights the level reads per forward, for reference
     ref_ms: float | None = None  # points weigh (ref_ms / ms)^2 (relative-error fit); None = unweighted
+
+    def __post_init__(self) -> None:
+        for name in ARRAYS:  # (from JSON: lists)
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
+
+    def to_json(self) -> dict:
+        return {k: v.tolist() if k in ARRAYS else v for k, v in vars(self).items()}
 
     def weight(self, ms: float) -> float:
         return 1.0 if self.ref_ms is None else (self.ref_ms / max(ms, 1e-6)) ** 2
 
     def design(self, x: np.ndarray) -> np.ndarray:
         """raw features [N, F] -> [N, F+1] standardised, with the intercept column first."""
-        z = (x - np.asarray(self.mu)) / np.asarray(self.sd)
+        z = (x - self.mu) / self.sd
         return np.concatenate([np.ones((z.shape[0], 1)), z], axis=1)
 
     def mean_weights(self) -> np.ndarray:
-        return np.linalg.solve(np.asarray(self.P), np.asarray(self.b))
+        return np.linalg.solve(self.P, self.b)
 
     def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """raw features [N, F] -> (mean ms [N], std ms [N])."""
         z = self.design(x)
-        P = np.asarray(self.P)
-        mean = z @ np.linalg.solve(P, np.asarray(self.b))
+        P = self.P
+        mean = z @ np.linalg.solve(P, self.b)
         noise = 1.0 / self.alpha if self.ref_ms is None else (np.abs(mean) / self.ref_ms) ** 2 / self.alpha
         var = noise + np.einsum("nf,fn->n", z, np.linalg.solve(P, z.T))
         return mean, np.sqrt(np.maximum(var, 0.0))
@@ -120,9 +135,9 @@ class LevelFit:
         z = self.design(x[None])[0]
         prior = np.diag(self.prior)
         w = self.alpha * self.weight(ms)
-        P = prior + forget * (np.asarray(self.P) - prior) + w * np.outer(z, z)
-        b = forget * np.asarray(self.b) + w * ms * z
-        self.P, self.b, self.n = P.tolist(), b.tolist(), self.n + 1
+        self.P = prior + forget * (self.P - prior) + w * np.outer(z, z)
+        self.b = forget * self.b + w * ms * z
+        self.n += 1
 
 
 def fit_level(spec: FeatureSpec, points: list[Point], cfg: OnlineConfig = OnlineConfig()) -> LevelFit:
@@ -143,11 +158,11 @@ def fit_level(spec: FeatureSpec, points: list[Point], cfg: OnlineConfig = Online
     # a floor on the weights' precision: with few points the evidence can drive it to ~0, and a feature the grid
     # never varied (a zero column) would then leave the posterior precision singular
     prior = [cfg.intercept_precision] + [max(float(br.lambda_), cfg.intercept_precision)] * x.shape[1]
-    fit = LevelFit(mu=mu.tolist(), sd=sd.tolist(), alpha=float(br.alpha_), prior=prior, P=np.diag(prior).tolist(),
-                   b=[0.0] * (x.shape[1] + 1), ref_ms=ref)
+    fit = LevelFit(mu=mu, sd=sd, alpha=float(br.alpha_), prior=prior, P=np.diag(prior), b=np.zeros(x.shape[1] + 1),
+                   ref_ms=ref)
     z = fit.design(x)
-    fit.P = (np.diag(prior) + fit.alpha * (z * w[:, None]).T @ z).tolist()
-    fit.b = (fit.alpha * z.T @ (w * y)).tolist()
+    fit.P = np.diag(prior) + fit.alpha * (z * w[:, None]).T @ z
+    fit.b = fit.alpha * z.T @ (w * y)
     fit.n = len(points)
     return fit
 
@@ -160,8 +175,8 @@ def empty_level(spec: FeatureSpec, cfg: OnlineConfig = OnlineConfig()) -> LevelF
     sd = x.std(0)
     sd[sd < 1e-12] = 1.0
     prior = [cfg.intercept_precision] + [cfg.prior_lambda] * x.shape[1]
-    return LevelFit(mu=x.mean(0).tolist(), sd=sd.tolist(), alpha=cfg.prior_alpha, prior=prior,
-                    P=np.diag(prior).tolist(), b=[0.0] * (x.shape[1] + 1))
+    return LevelFit(mu=x.mean(0), sd=sd, alpha=cfg.prior_alpha, prior=prior, P=np.diag(prior),
+                    b=np.zeros(x.shape[1] + 1))
 
 
 @dataclass
@@ -169,6 +184,8 @@ class LatencyModel:
     spec: FeatureSpec
     levels: dict[str, LevelFit] = field(default_factory=dict)
     online: OnlineConfig = OnlineConfig()
+    _weights: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)  # level -> posterior
+    # mean weights (a solve), until its next observation
 
     @staticmethod
     def fit(spec: FeatureSpec, points: list[Point], online: OnlineConfig = OnlineConfig(),
@@ -196,9 +213,10 @@ class LatencyModel:
         """Mean ms [K] for each token count in tokens [K] at one context (vectorised; no uncertainty)."""
         if not self.known(level):
             raise KeyError(f"no latency data for level {level!r}: profile it or observe() its timings first")
-        fit = self.levels[level]
-        x = np.stack([self.spec.features(int(t), context, tree) for t in tokens])  # [K, F]
-        return fit.design(x) @ fit.mean_weights()
+        fit, w = self.levels[level], self._weights.get(level)
+        if w is None:
+            w = self._weights[level] = fit.mean_weights()
+        return fit.design(self.spec.feature_rows(tokens, context, tree)) @ w
 
     def cost_ratio(self, level: str, tokens: int, context: int, tree: bool = False) -> tuple[float, float]:
         """(ratio, std) of the level's forward vs the target's 1-token step at the same context (delta method)."""
@@ -211,12 +229,13 @@ class LatencyModel:
         """Absorb a timing measured while decoding (a level with no profile starts from a weak prior)."""
         if level not in self.levels:
             self.levels[level] = empty_level(self.spec, self.online)
+        self._weights.pop(level, None)
         self.levels[level].update(self.spec.features(tokens, context, tree), ms, self.online.forget)
 
     # ------------------------------------------------------------------ plain JSON
     def to_json(self) -> dict:
         return {"features": self.spec.names(), "spec": vars(self.spec), "online": vars(self.online),
-                "levels": {name: vars(fit) for name, fit in self.levels.items()}}
+                "levels": {name: fit.to_json() for name, fit in self.levels.items()}}
 
     @staticmethod
     def from_json(d: dict) -> "LatencyModel":

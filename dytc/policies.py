@@ -35,7 +35,7 @@ from dsia.model import Transformer
 
 from .latency import TARGET_LEVEL, LatencyModel
 from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, PromptLookup
-from .sampling import SamplingParams, sample, warp
+from .sampling import SamplingParams, sample, top_k, warp
 from .tree import DraftTree, ancestor_mask, position_ids
 from .verify import Noise
 
@@ -91,10 +91,13 @@ class DraftContext:
         agree (a good level's do at about its greedy agreement; its plain argmax would match with probability
         p(x) only); the probabilities are the softmax of those perturbed scores (q itself where g = 0)."""
         if not self.coupled:
-            return torch.softmax(logits.float(), -1).topk(k, dim=-1)
+            logits = logits.float()
+            values, top_i = top_k(logits, k)  # [T, k]
+            top = values[:, :1]  # [T, 1] each row's maximum
+            return (values - top).exp() / (logits - top).exp().sum(-1, keepdim=True), top_i
         scores = warp(logits.cpu(), self.sampling).log().double()  # [T, V] log q (-inf outside top-k / top-p)
         scores += torch.stack([self.noise(p + 1) for p in positions])  # + g
-        top_s, top_i = scores.topk(k, dim=-1)  # [T, k]
+        top_s, top_i = top_k(scores, k)  # [T, k]
         return (top_s - scores.logsumexp(-1, keepdim=True)).exp().float(), top_i
 
     def commit(self, emitted: list[int]) -> None:

@@ -158,7 +158,8 @@ class DyTC(Policy):
     def new_step(self, ctx: DraftContext, n_max: int) -> Step:
         """A step holding the root alone, with this step's cost tables."""
         verify_ms, level_ms = self.costs(ctx.latency, ctx.cache.length, n_max)
-        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], verify_ms, level_ms)
+        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], verify_ms.tolist(),
+                    {name: ms.tolist() for name, ms in level_ms.items()})
 
     # ------------------------------------------------------------------ drafting
     def draft(self, ctx: DraftContext) -> DraftTree:

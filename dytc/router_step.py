@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from .tree import DraftTree
 
@@ -40,8 +39,9 @@ class Step:
     """One step's tree under construction and what the router knows of it."""
     tree: DraftTree
     nodes: list[Node]  # per tree node
-    verify_ms: np.ndarray  # [n_max + 1] predicted verification ms by node count (index 0 unused)
-    level_ms: dict[str, np.ndarray]  # level -> [n_max + 1] predicted forward ms by token count (index 0 unused)
+    verify_ms: list[float]  # [n_max + 1] predicted verification ms by node count (index 0 unused; plain floats:
+    # the router's inner loops index them thousands of times a step)
+    level_ms: dict[str, list[float]]  # level -> [n_max + 1] predicted forward ms by token count (index 0 unused)
     spent: float = 0.0  # predicted draft ms of the actions taken
 
     @property

@@ -201,3 +201,17 @@ def test_top_p_by_partial_sort_equals_the_full_sort(scale, top_p):
     assert torch.equal(_outside_nucleus(probs[:1], top_p), expected[:1])
     if scale < 0.5:  # the flat rows' nucleus is larger than every candidate set: the full sort ran for them
         assert (~expected).sum(-1).max() > NUCLEUS_CANDIDATES[-1]
+
+
+def test_blocked_top_k_equals_torch_topk():
+    """dytc.sampling.top_k (the k best among the k blocks with the largest maxima) gives torch.topk's values and
+    indices, including rows whose best values share one block and rows with -inf outside a vocabulary subset."""
+    from dytc.sampling import TOPK_BLOCK, top_k
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8 * TOPK_BLOCK, generator=g, dtype=torch.float64)
+    x[1, 5 * TOPK_BLOCK + 3: 5 * TOPK_BLOCK + 9] = 50.0 + torch.arange(6.0, dtype=torch.float64)  # one block
+    x[2, TOPK_BLOCK:] = float("-inf")
+    for k in (1, 4, 7):
+        values, idx = top_k(x, k)
+        ref = x.topk(k, dim=-1)
+        assert torch.equal(values, ref.values) and torch.equal(idx, ref.indices)

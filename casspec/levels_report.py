@@ -62,12 +62,12 @@ def _agreement(engine: Engine, level: Level, prompt: list[int], cont: list[int],
         inputs = cont[s:s + CHUNK]
         targets = cont[s + 1:s + 1 + CHUNK]
         inputs = inputs[:len(targets)]
-        L = cache.length
-        tok = torch.tensor(inputs)
-        pos = torch.arange(L, L + len(inputs))
+        L, dev = cache.length, engine.device
+        tok = torch.tensor(inputs, device=dev)
+        pos = torch.arange(L, L + len(inputs), device=dev)
         for j, plan in enumerate(plans):
             logits = model.forward(cache, tok, pos, L, plan=plan or level.plan)
-            hits[j] += int((logits.argmax(-1) == torch.tensor(targets)).sum())
+            hits[j] += int((logits.argmax(-1) == torch.tensor(targets, device=dev)).sum())
         level.observe(model, cache, prompt + cont[:s + len(inputs) + 1], inputs)
         engine.extend_prefix(prompt + cont[:s + len(inputs)])
     return hits
@@ -77,13 +77,17 @@ def _cost_ratio(engine: Engine, level: Level, repeats: int) -> tuple[float, floa
     """(median level ms, median target ms) of a 1-token forward at the current context."""
     model, cache = engine.model, engine.cache
     L = cache.length
-    tok, pos = torch.tensor([TIMING_TOKEN]), torch.tensor([L])
+    tok, pos = torch.tensor([TIMING_TOKEN], device=engine.device), torch.tensor([L], device=engine.device)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
     lt, tt = [], []
     for r in range(repeats + 2):
+        sync()
         t0 = time.perf_counter()
         model.forward(cache, tok, pos, L, plan=level.plan)
+        sync()
         t1 = time.perf_counter()
         model.forward(cache, tok, pos, L)
+        sync()
         t2 = time.perf_counter()
         if r >= 2:  # the first two are warm-up
             lt.append(t1 - t0)

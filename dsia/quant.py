@@ -180,7 +180,8 @@ class NF4Linear:
         self.packed, self.state, self._matmul = packed, state, bnb.matmul_4bit
 
     def __call__(self, x: Tensor) -> Tensor:
-        a = x.to(torch.bfloat16 if self.fused else torch.float32)
+        # the fused CPU kernel takes bf16; bnb's CUDA kernels the model's half dtype; its generic CPU path float32
+        a = x.to(torch.bfloat16) if self.fused else x if x.is_cuda else x.float()
         return self._matmul(a, self.packed, self.state).to(x.dtype)  # [T, out]
 
     @property

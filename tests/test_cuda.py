@@ -25,8 +25,10 @@ def test_logits_parity_on_cuda(arch, dtype, tol):
 
 @pytest.mark.parametrize("method,level", [("ar", "int4"), ("pld", "int4"), ("sd", "skip0.3"), ("tree", "exit2"),
                                           ("sd", "sparse0.5"), ("tree", "vocab"), ("sd", "int8"), ("dytc", "-"),
-                                          ("vc", "-"), ("hc", "-")])
+                                          ("vc", "-"), ("hc", "-"), ("sd", "nf4")])
 def test_greedy_methods_equal_ar_on_cuda(method, level):
+    if level == "nf4":
+        pytest.importorskip("bitsandbytes", reason="the nf4 level needs bitsandbytes")
     hf = tiny_model("llama", seed=0).cuda()
     e = Engine(Loaded(hf, tiny_tokenizer(), "tiny-cuda"), autoprofile=False, keep_state=False)
     prompt = [5, 6, 7, 8, 5, 6, 7]

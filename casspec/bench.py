@@ -181,8 +181,8 @@ def parse_methods(spec: str | Sequence[str]) -> list[str]:
 
 # one turn: prompt ids, max new tokens -> (new token ids, target forwards, engine stats or {})
 TurnFn = Callable[[list[int], int], tuple[list[int], int, dict]]
-STAT_SUMS = ("prefill_seconds", "draft_seconds", "draft_forward_seconds", "verify_seconds", "predicted_verify_seconds",
-             "draft_forwards", "tree_nodes", "noise_seconds")
+STAT_SUMS = ("reused_tokens", "prefill_seconds", "draft_seconds", "draft_forward_seconds", "verify_seconds",
+             "predicted_verify_seconds", "draft_forwards", "tree_nodes", "noise_seconds")
 
 
 def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams, static_cache: bool = False,
@@ -244,10 +244,13 @@ def make_runner(engine: Engine, method: str, level: str = "int4",
 
 
 def run_question(engine: Engine, run: TurnFn, q: Question, max_new_tokens: int, answer: Answer | None) -> Answer:
-    """All turns of one question; the method's own earlier answers go back in as chat history."""
+    """All turns of one question; the method's own earlier answers go back in as chat history. A question starts a
+    new conversation: its first turn prefills from scratch (nothing another method or question left in the KV cache
+    is reused); its later turns reuse what its own earlier turns left, as in a chat."""
     first = answer is None
     if first:
         answer = Answer(q.question_id, q.category)
+    engine.forget_prefix()
     messages: list[dict] = []
     for i, turn in enumerate(q.turns):
         messages.append({"role": "user", "content": turn})

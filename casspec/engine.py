@@ -330,6 +330,10 @@ class Engine:
         finally:  # (also when the caller stops early): what the cache holds, for the next prompt to reuse
             self._left = (ctx.history[:cache.length], cache.changes)
 
+    def forget_prefix(self) -> None:
+        """The next generation prefills its whole prompt (a new conversation: nothing left in the cache is reused)."""
+        self._left = ([], -1)
+
     def _reusable(self, prompt_ids: list[int]) -> int:
         """How many leading prompt tokens the cache still holds from the last generation (at most all but the
         last: its logits give the first token); 0 when reuse is off or anything changed the cache since."""

@@ -113,3 +113,16 @@ def test_hf_static_cache_baseline_matches_hf_ar_and_needs_a_gpu():
     static = _hf_runner(engine, {}, SamplingParams(), static_cache=True)  # (compiled by HF on a GPU only)
     for ids in ([5, 6, 7], [8, 9, 10, 11, 12, 13]):  # the one cache is reset between turns
         assert static(ids, 20)[0] == plain(ids, 20)[0]
+
+
+def test_each_question_starts_a_new_conversation():
+    """A question's first turn prefills from scratch even where the cache holds its prompt (another method just ran
+    the same question: the bench must not time that), and its second turn reuses what its first left."""
+    from casspec.bench import Question, make_runner, run_question
+
+    engine = tiny_engine("llama", 0)
+    q = Question(7, "writing", ["w5 w6 w7", "w8 w9"])
+    for method in ("ar", "dytc"):
+        a = run_question(engine, make_runner(engine, method), q, 8, None)
+        first, second = a.stats
+        assert first["reused_tokens"] == 0 and second["reused_tokens"] > 0

@@ -47,7 +47,8 @@ from .usercache import read_json
 class Engine:
     def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
                  graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
-                 keep_state: bool = True, fuse_projections: bool | None = None) -> None:
+                 keep_state: bool = True, fuse_projections: bool | None = None,
+                 batch_invariant: bool = False) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
         every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on
         a GPU; without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do).
@@ -55,7 +56,10 @@ class Engine:
         a GPU). autoprofile: measure a latency profile (about a minute, once per machine, model and dtype; user
         cache) when none matches. keep_state: read the acceptance and latency state earlier processes learned, and
         keep this one's for the next (user cache). fuse_projections: the target's q|k|v and gate|up products as
-        one each (default: on a GPU, where the wider products come closer to the memory's bandwidth)."""
+        one each (default: on a GPU, where the wider products come closer to the memory's bandwidth).
+        batch_invariant: each row of a target forward computed alike whatever the rows around it
+        (dsia/invariant.py), so that every method's greedy tokens are `ar`'s in bfloat16 too (bfloat16 on a CPU; its
+        forwards run eagerly)."""
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -67,6 +71,11 @@ class Engine:
             model = model.with_fused_projections()
         dense, self.kernels = kernels_for(model, kernels)
         model = model.with_dense(dense)
+        if batch_invariant:
+            if graphs or compile_pointwise:
+                raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "
+                                   "elementwise steps off with them")
+            model = model.with_batch_invariant()
         compiled = cuda if compile_pointwise is None else compile_pointwise
         if compiled:
             model = model.with_pointwise(compiled_pointwise())
@@ -76,7 +85,8 @@ class Engine:
             graphs = cuda
         # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
         self.build = "; ".join([dense.describe()] + [name for name, on in (
-            ("fused projections", fuse), ("compiled pointwise", compiled), ("CUDA graphs", graphs)) if on])
+            ("fused projections", fuse), ("compiled pointwise", compiled), ("CUDA graphs", graphs),
+            ("batch-invariant", batch_invariant)) if on])
         self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
         self.model = model.with_graphs(self.graphs)
@@ -103,14 +113,15 @@ class Engine:
                         device: str | torch.device = "cpu", max_context: int | None = None,
                         kernels: str = "auto", graphs: bool | None = None, compile_pointwise: bool | None = None,
                         autoprofile: bool = True, keep_state: bool = True, hf: bool = True,
-                        fuse_projections: bool | None = None) -> "Engine":
+                        fuse_projections: bool | None = None, batch_invariant: bool = False) -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
         model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
         t0 = time.perf_counter()
         loaded = load(model, dtype, device, hf)
         load_s = time.perf_counter() - t0
         engine = cls(loaded, max_context, kernels, graphs=graphs, compile_pointwise=compile_pointwise,
-                     autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections)
+                     autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections,
+                     batch_invariant=batch_invariant)
         engine.setup = {"load": load_s, **engine.setup}
         return engine
 

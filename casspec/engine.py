@@ -76,6 +76,7 @@ class Engine:
                 raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "
                                    "elementwise steps off with them")
             model = model.with_batch_invariant()
+            self.kernels += "; batch-invariant"
         compiled = cuda if compile_pointwise is None else compile_pointwise
         if compiled:
             model = model.with_pointwise(compiled_pointwise())

@@ -37,8 +37,8 @@ BLOCK = 64  # key positions per block: the fixed unit of every attention reducti
 def check_supported(dtype: torch.dtype, device: torch.device) -> None:
     """The mode's invariance is that of oneDNN's bfloat16 CPU kernels (what the tests check)."""
     if dtype != torch.bfloat16 or device.type != "cpu":
-        raise CasspecError("batch-invariant forwards are implemented for bfloat16 on a CPU (float32 needs none: "
-                           "every method already gives ar's tokens); use --dtype bfloat16 --device cpu")
+        raise CasspecError("batch-invariant forwards are implemented for bfloat16 on a CPU (in float32 every method "
+                           "already gives ar's tokens, see the README); use --dtype bfloat16 --device cpu")
 
 
 TORCH_OWN_MACS = 16 ** 3  # torch computes a bf16 product of at most this many multiply-adds (all its matrices
@@ -147,7 +147,8 @@ def block_attention(q: Tensor, keys: Tensor, values: Tensor, rows: RowKeys, scal
         gathered = scores[..., shared:].gather(-1, rows.tail.expand(Hkv, G, T, W))  # [Hkv, G, T, W]
         scores = torch.cat((scores[..., :shared], gathered), dim=-1)  # [Hkv, G, T, shared + W]
         v_t = values.index_select(1, rows.tail.flatten() + shared).view(Hkv, T, W, hd)  # [Hkv, T, W, hd]
-    p = torch.softmax(scores.float().mul_(scale).add_(rows.bias), dim=-1).to(q.dtype)  # [Hkv, G, T, positions]
+    scores = torch.add(rows.bias, scores, alpha=scale)  # float32, -inf past each row's keys (+ 0: exact)
+    p = torch.softmax(scores, dim=-1).to(q.dtype)  # [Hkv, G, T, positions]
     # each block's share of the output: a product over BLOCK keys, the rows of every query head and token together
     p_in = p[..., :shared].reshape(Hkv, G * T, nS, BLOCK).transpose(1, 2)  # [Hkv, nS, G*T, BLOCK]
     v_in = values[:, :shared].contiguous().view(Hkv, nS, BLOCK, hd)

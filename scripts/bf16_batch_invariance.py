@@ -1,18 +1,19 @@
 """bfloat16 batch invariance on the embedded model: which ops make a row's result depend on how many rows its
 forward holds, by how much, and what the batch-invariant mode (dsia/invariant.py) costs.
 
-    python scripts/bf16_batch_invariance.py [--context 300] [--repeats 9] [--threads N] [--new-tokens 128]
-        [--out results/xeon/bf16-batch-invariance.json]
+    python scripts/bf16_batch_invariance.py [--context 300] [--repeats 9] [--trials 6] [--threads N]
+        [--new-tokens 128] [--generation-repeats 3] [--out results/xeon/bf16-batch-invariance.json]
 
-shapes: products of many shapes through the mode's `invariant_linear`, each row over 1 to 70 rows at a time
-against all rows at once (the shapes where any row differs: none expected). ops: each op of the target's
-forward, mode off and on, at the embedded model's shapes (its own weights, random
-inputs): a row computed alone (one token, as `ar` runs it) against the same row among T rows (a chain or tree
-verification); the fraction of output elements that differ and the largest difference. forward: the rows of tree
-and chain verifications on top of a random prompt against one-token steps over their paths (logits bit for bit).
-step_ms: one target forward of 1 token and verifications of 4, 8, 16 (chains and binary trees) at --context
-committed tokens, the median of --repeats, the modes interleaved. generation: ar and dytc on chat prompts, tokens/s
-and whether dytc's tokens are ar's, for each mode; and where each mode's ar leaves float32 ar's tokens.
+shapes: products of many shapes through the mode's `invariant_linear`, each row computed over 1 to 70 rows at a
+time against all rows at once (the shapes where some row differs; none expected). ops: each op of the target's
+forward, mode off and on, at the embedded model's shapes (its own weights, random inputs): a row computed alone
+(one token, as `ar` runs it) against the same row among T rows (a chain or tree verification); the fraction of
+output elements that differ and the largest difference. forward: the rows of tree and chain verifications on top
+of a random prompt against one-token steps over their paths (logits bit for bit). step_ms: one target forward of
+1 token and verifications of 4, 8, 16 (chains and binary trees) at --context committed tokens, the median of
+--repeats, the modes interleaved. generation: ar and dytc on chat prompts, each mode, --generation-repeats runs
+interleaved: tokens/s (the median run), in how many runs dytc's tokens are ar's, and where each mode's ar leaves
+float32 ar's tokens.
 """
 from __future__ import annotations
 
@@ -190,33 +191,36 @@ def first_index(a: list[int], b: list[int]) -> int | None:
     return None if a == b else first_difference(a, b)
 
 
-def generation(new_tokens: int) -> dict:
-    """ar and dytc on PROMPTS, each mode; both latency models fitted online (no profile), nothing kept."""
-    runs: dict[str, dict] = {}
-    reference: dict[int, list[int]] = {}
+def generation(new_tokens: int, repeats: int) -> dict:
+    """ar and dytc on PROMPTS, each mode, `repeats` runs each, the modes interleaved (tokens/s: the median run);
+    both latency models fitted online (no profile), nothing kept. dytc's runs are compared with ar one by one."""
     fp32 = Engine.from_pretrained(dtype="float32", kernels="blas", autoprofile=False, keep_state=False, hf=False)
-    for k, prompt in enumerate(PROMPTS):
-        reference[k] = fp32.generate(prompt, max_new_tokens=new_tokens, method="ar").token_ids
+    reference = [fp32.generate(prompt, max_new_tokens=new_tokens, method="ar").token_ids for prompt in PROMPTS]
     del fp32
-    for mode in ("off", "on"):
-        engine = Engine.from_pretrained(dtype="bfloat16", autoprofile=False, keep_state=False, hf=False,
-                                        batch_invariant=mode == "on")
-        rows = []
-        for k, prompt in enumerate(PROMPTS):
-            ids = engine.prompt_ids(prompt)
-            res = {m: engine.generate_ids(ids, Request(max_new_tokens=new_tokens, method=m)) for m in ("ar", "dytc")}
-            ar, dytc = res["ar"].token_ids, res["dytc"].token_ids
-            rows.append({"prompt": k, "tokens": len(ar),
-                         "ar_tok_s": res["ar"].stats.new_tokens / res["ar"].stats.seconds,
-                         "dytc_tok_s": res["dytc"].stats.new_tokens / res["dytc"].stats.seconds,
-                         "dytc_equals_ar": dytc == ar, "dytc_first_difference": first_index(dytc, ar),
-                         "ar_first_difference_from_float32_ar": first_index(ar, reference[k])})
-            print(f"{mode}: prompt {k}: ar {rows[-1]['ar_tok_s']:.1f} tok/s, dytc {rows[-1]['dytc_tok_s']:.1f} "
-                  f"tok/s, dytc = ar: {dytc == ar}", flush=True)
-        runs[mode] = {"build": engine.build, "prompts": rows,
-                      "ar_tok_s_mean": statistics.mean(r["ar_tok_s"] for r in rows),
-                      "dytc_tok_s_mean": statistics.mean(r["dytc_tok_s"] for r in rows)}
-        del engine
+    engines = {mode: Engine.from_pretrained(dtype="bfloat16", autoprofile=False, keep_state=False, hf=False,
+                                            batch_invariant=mode == "on") for mode in ("off", "on")}
+    runs: dict[str, dict] = {mode: {"build": e.build, "prompts": []} for mode, e in engines.items()}
+    for k, prompt in enumerate(PROMPTS):
+        results: dict[str, dict[str, list]] = {mode: {"ar": [], "dytc": []} for mode in engines}
+        for _ in range(repeats):
+            for mode, engine in engines.items():
+                for method in ("ar", "dytc"):
+                    req = Request(max_new_tokens=new_tokens, method=method)
+                    results[mode][method].append(engine.generate_ids(engine.prompt_ids(prompt), req))
+        for mode, res in results.items():
+            ar = res["ar"][0].token_ids
+            row = {"prompt": k, "tokens": len(ar),
+                   "ar_tok_s": statistics.median(r.stats.new_tokens / r.stats.seconds for r in res["ar"]),
+                   "dytc_tok_s": statistics.median(r.stats.new_tokens / r.stats.seconds for r in res["dytc"]),
+                   "dytc_runs_equal_to_ar": sum(r.token_ids == ar for r in res["dytc"]), "runs": repeats,
+                   "dytc_first_differences": [first_index(r.token_ids, ar) for r in res["dytc"]],
+                   "ar_first_difference_from_float32_ar": first_index(ar, reference[k])}
+            runs[mode]["prompts"].append(row)
+            print(f"{mode}: prompt {k}: ar {row['ar_tok_s']:.1f} tok/s, dytc {row['dytc_tok_s']:.1f} tok/s, dytc = "
+                  f"ar in {row['dytc_runs_equal_to_ar']} of {repeats} runs", flush=True)
+    for cell in runs.values():
+        cell["ar_tok_s_mean"] = statistics.mean(r["ar_tok_s"] for r in cell["prompts"])
+        cell["dytc_tok_s_mean"] = statistics.mean(r["dytc_tok_s"] for r in cell["prompts"])
     return runs
 
 
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=6, help="verification forwards whose rows are checked")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per generation (0: no generations)")
+    p.add_argument("--generation-repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     print("forward rows:", json.dumps(out["forward"]), flush=True)
     out["step_ms"] = step_ms(models, args.context, args.repeats, gen)
     if args.new_tokens:
-        out["generation"] = generation(args.new_tokens)
+        out["generation"] = generation(args.new_tokens, args.generation_repeats)
     out["seconds"] = time.perf_counter() - t0
     if args.out:
         with open(args.out, "w") as f:

@@ -32,6 +32,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "replaying CUDA graphs of the small ones")
     p.add_argument("--no-compile", action="store_true", help="on a GPU, run the elementwise steps eagerly "
                    "instead of compiling each into one kernel (torch.compile)")
+    p.add_argument("--batch-invariant", action="store_true", help="bfloat16 on a CPU: compute each row of the "
+                   "target's forwards alike whatever the rows around it, so that every method's greedy tokens are "
+                   "ar's (about 5-30%% slower forwards; see the README)")
 
 
 RUNTIME_ONLY = ("generate", "serve")  # commands that run casspec's runtime alone: no HF model, and they keep what
@@ -46,7 +49,8 @@ def _engine(args: argparse.Namespace):
                                   kernels=args.kernels, autoprofile=not getattr(args, "no_autoprofile", True),
                                   keep_state=args.command in RUNTIME_ONLY, hf=args.command not in RUNTIME_ONLY,
                                   graphs=False if args.no_graphs else None,
-                                  compile_pointwise=False if args.no_compile else None)
+                                  compile_pointwise=False if args.no_compile else None,
+                                  batch_invariant=args.batch_invariant)
 
 
 def _autoprofile(p: argparse.ArgumentParser) -> None:

@@ -47,7 +47,8 @@ from .usercache import read_json
 class Engine:
     def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
                  graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
-                 keep_state: bool = True, fuse_projections: bool | None = None, reuse_prefix: bool = True) -> None:
+                 keep_state: bool = True, fuse_projections: bool | None = None, reuse_prefix: bool = True,
+                 batch_invariant: bool = False) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
         every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on
         a GPU; without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do).
@@ -59,7 +60,10 @@ class Engine:
         a prompt that starts with tokens the previous generation left in the KV cache (a chat's earlier turns and
         answer) prefills only the rest, as llama.cpp's prompt cache and vLLM's prefix caching do; that KV was
         written by the previous generation's forwards, whose float32 results differ from one prefill's in the last
-        bits, as a tree verification's differ from a one-token step's."""
+        bits, as a tree verification's differ from a one-token step's.
+        batch_invariant: each row of a target forward computed alike whatever the rows around it
+        (dsia/invariant.py), so that every method's greedy tokens are `ar`'s in bfloat16 too (bfloat16 on a CPU; its
+        forwards run eagerly)."""
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -71,6 +75,12 @@ class Engine:
             model = model.with_fused_projections()
         dense, self.kernels = kernels_for(model, kernels)
         model = model.with_dense(dense)
+        if batch_invariant:
+            if graphs or compile_pointwise:
+                raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "
+                                   "elementwise steps off with them")
+            model = model.with_batch_invariant()
+            self.kernels += "; batch-invariant"
         compiled = cuda if compile_pointwise is None else compile_pointwise
         if compiled:
             model = model.with_pointwise(compiled_pointwise())
@@ -80,7 +90,8 @@ class Engine:
             graphs = cuda
         # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
         self.build = "; ".join([dense.describe()] + [name for name, on in (
-            ("fused projections", fuse), ("compiled pointwise", compiled), ("CUDA graphs", graphs)) if on])
+            ("fused projections", fuse), ("compiled pointwise", compiled), ("CUDA graphs", graphs),
+            ("batch-invariant", batch_invariant)) if on])
         self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
         self.model = model.with_graphs(self.graphs)
@@ -109,7 +120,8 @@ class Engine:
                         device: str | torch.device = "cpu", max_context: int | None = None,
                         kernels: str = "auto", graphs: bool | None = None, compile_pointwise: bool | None = None,
                         autoprofile: bool = True, keep_state: bool = True, hf: bool = True,
-                        fuse_projections: bool | None = None, reuse_prefix: bool = True) -> "Engine":
+                        fuse_projections: bool | None = None, reuse_prefix: bool = True,
+                        batch_invariant: bool = False) -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
         model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
         t0 = time.perf_counter()
@@ -117,7 +129,7 @@ class Engine:
         load_s = time.perf_counter() - t0
         engine = cls(loaded, max_context, kernels, graphs=graphs, compile_pointwise=compile_pointwise,
                      autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections,
-                     reuse_prefix=reuse_prefix)
+                     reuse_prefix=reuse_prefix, batch_invariant=batch_invariant)
         engine.setup = {"load": load_s, **engine.setup}
         return engine
 

@@ -26,9 +26,9 @@ class KVCache:
         self.zeroed = 0  # slots [0, zeroed) have been initialised
 
     def reserve(self, end: int) -> None:
-        """Make slots [0, end) safe to read (called before a forward that touches them)."""
+        """Make slots [0, end) safe to read (called before a forward that touches them; spare slots included)."""
         if end > self.zeroed:
-            end = min(self.capacity, max(end, self.zeroed + 256))  # grow in chunks, not per token
+            end = min(self.capacity + self.spare, max(end, self.zeroed + 256))  # grow in chunks, not per token
             self.k[:, :, self.zeroed:end].zero_()
             self.v[:, :, self.zeroed:end].zero_()
             self.zeroed = end
@@ -37,7 +37,7 @@ class KVCache:
         """Initialise every slot, spare ones included (before attention over all slots, as a CUDA graph runs)."""
         self.k.zero_()
         self.v.zero_()
-        self.zeroed = self.capacity
+        self.zeroed = self.capacity + self.spare
 
     @property
     def nbytes(self) -> int:

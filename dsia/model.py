@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CasspecError
-from .kernels import DenseKernels
+from .invariant import BLOCK, RowKeys, block_attention, check_supported, invariant_linear, row_keys
+from .kernels import DenseFn, DenseKernels
 from .kvcache import KVCache
 from .plan import TARGET, Plan
 
@@ -113,6 +114,7 @@ class KvAccess:
     slots: Tensor | None = None  # [T] the slots written, in place of [start, end)
     mask: Tensor | None = None  # [T, end] or [T, capacity + spare] bool
     is_causal: bool = False  # plain causal prefill at slot 0
+    rows: RowKeys | None = None  # in place of the mask, each row's keys for the batch-invariant attention
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -187,6 +189,7 @@ class Transformer:
         self.dense = DenseKernels.default(embed.dtype, embed.device)
         self.graphs: Graphs | None = None  # CUDA graphs of small forwards (`with_graphs`); None runs eagerly
         self.pointwise = EAGER  # the elementwise steps (`with_pointwise`: compiled ones on a GPU)
+        self.batch_invariant = False  # target forwards whose rows do not depend on each other (`with_batch_invariant`)
         self.embed = embed  # [V, D]
         self.layers = layers
         self.norm = norm  # [D]
@@ -262,6 +265,14 @@ class Transformer:
         so its time is no sample of the forward's cost."""
         return self.graphs.stats.captures if self.graphs is not None else 0
 
+    def with_batch_invariant(self) -> "Transformer":
+        """The same model, each row of a target forward computed alike whatever the rows around it (dsia/invariant.py):
+        a tree verification's logits are then bit for bit those of `ar`'s one-token steps. bfloat16 on a CPU."""
+        check_supported(self.dtype, self.device)
+        other = copy.copy(self)
+        other.batch_invariant = True
+        return other
+
     def with_pointwise(self, pointwise: Pointwise) -> "Transformer":
         """The same weights, the elementwise steps run by `pointwise`."""
         other = copy.copy(self)
@@ -271,6 +282,8 @@ class Transformer:
     def new_cache(self, capacity: int | None = None, spare: int = 0) -> KVCache:
         s = self.spec
         cap = min(capacity or s.max_context, s.max_context)
+        if self.batch_invariant:  # its attention reads whole blocks of slots, past the last one written
+            spare = max(spare, BLOCK)
         return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, cap, self.dtype, self.device, spare)
 
     def weight_bytes(self) -> int:
@@ -309,9 +322,14 @@ class Transformer:
             logits = self.graphs.run(cache, tokens, positions, start, scratch_mask, plan, logits_rows)
             if logits is not None:
                 return logits
-        cache.reserve(end)
-        mask = self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
-        kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1)  # causal: prefill at 0
+        if self.batch_invariant and plan.is_target:
+            rows = row_keys(cache.length, start, T, scratch_mask, visible_prefix, self.device)
+            cache.reserve(max(end, rows.shared))
+            kv = KvAccess(start=start, end=end, rows=rows)
+        else:
+            cache.reserve(end)
+            mask = self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
+            kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1)  # causal: prefill at 0
         return self._layers(cache, tokens, positions, kv, plan, logits_rows)
 
     def forward_slots(self, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
@@ -343,7 +361,7 @@ class Transformer:
         if logits_rows is not None:
             x, delta = x[logits_rows], None if delta is None else delta[logits_rows]
         _, h = self._residual_norm(x, delta, self.norm)  # [N, D]
-        logits = plan.head(h) if plan.head is not None else self.dense(h, self.lm_head)
+        logits = plan.head(h) if plan.head is not None else self._dense(plan)(h, self.lm_head)
         return logits.float()  # [N, V]
 
     def _residual_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -368,13 +386,20 @@ class Transformer:
             prefix[:, visible_prefix:] = False
         return torch.cat((prefix, scratch_mask.to(self.device)), dim=1)
 
+    def _dense(self, plan: Plan) -> DenseFn:
+        """The kernel of the plan's dense products: the target's; in the batch-invariant mode, for a target forward,
+        over enough rows that every row's result is the same whatever their number (`invariant_linear`)."""
+        if self.batch_invariant and plan.is_target:
+            return functools.partial(invariant_linear, self.dense)
+        return self.dense
+
     def _linear(self, i: int, name: str, x: Tensor, w: Tensor, plan: Plan) -> Tensor:
         b = self.layers[i].bias.get(name)
         fn = plan.linears.get((i, name)) if plan.linears else None
         if fn is not None:
             y = fn(x)
             return y if b is None else y + b
-        return self.dense(x, w, b)
+        return self._dense(plan)(x, w, b)
 
     def _fused(self, i: int, key: str, weight: Tensor | None, parts: tuple[str, ...],
                plan: Plan) -> Callable[[Tensor], Tensor] | None:
@@ -382,7 +407,7 @@ class Transformer:
         weight (where the layer has one and the plan replaces none of the parts), else None (one product each)."""
         fn = plan.fused.get((i, key)) if plan.fused else None
         if fn is None and weight is not None and not any((i, n) in plan.linears for n in parts):
-            fn = functools.partial(self.dense, w=weight)
+            fn = functools.partial(self._dense(plan), w=weight)
         return fn
 
     def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, kv: KvAccess, cos: Tensor,
@@ -433,13 +458,16 @@ class Transformer:
         [T, D]."""
         s = self.spec
         T = q.shape[1]
-        if kv.slots is None:
-            keys, values = cache.read(i, kv.end)  # [Hkv, end, hd]
+        if kv.rows is not None:  # batch-invariant: each row over its own keys, block by block
+            o = block_attention(q, cache.k[i], cache.v[i], kv.rows, s.head_dim ** -0.5)  # [H, T, hd]
         else:
-            keys, values = cache.k[i], cache.v[i]  # [Hkv, capacity + spare, hd]
-        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=kv.mask,
-                                           is_causal=kv.is_causal, enable_gqa=s.n_heads != s.n_kv_heads)  # [1,H,T,hd]
-        o = o[0].transpose(0, 1).reshape(T, s.n_heads * s.head_dim)  # [T, H*hd]
+            if kv.slots is None:
+                keys, values = cache.read(i, kv.end)  # [Hkv, end, hd]
+            else:
+                keys, values = cache.k[i], cache.v[i]  # [Hkv, capacity + spare, hd]
+            o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=kv.mask,
+                                               is_causal=kv.is_causal, enable_gqa=s.n_heads != s.n_kv_heads)[0]
+        o = o.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)  # [T, H*hd]
         return self._linear(i, "o", o, lw.wo, plan)
 
     def _mlp(self, i: int, lw: LayerWeights, x: Tensor, plan: Plan) -> Tensor:

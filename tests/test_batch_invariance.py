@@ -1,0 +1,145 @@
+"""The batch-invariant mode (dsia/invariant.py): in bfloat16 a row's logits do not depend on the other rows of its
+forward, so every method's greedy tokens are `ar`'s; the attention it computes is the model's."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from casspec.engine import Request
+from casspec.methods import METHODS
+from dsia.errors import CasspecError
+from dsia.invariant import BLOCK, RowKeys, block_attention
+from dsia.model import Transformer
+from dytc.router import RouterConfig
+from dytc.tree import ancestor_mask, position_ids
+from tiny import tiny_engine, tiny_model
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 10, 11, 5, 6, 7]  # repeats, so that the lookups find matches
+
+
+@functools.lru_cache(maxsize=None)
+def model(invariant: bool) -> Transformer:
+    m = Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16))
+    return m.with_batch_invariant() if invariant else m
+
+
+def random_tree(n: int, rng: random.Random) -> list[int]:
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def path_to(parents: list[int], i: int) -> list[int]:
+    """The nodes from the root to node i."""
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@torch.inference_mode()
+def differing_rows(m: Transformer, prompt: list[int], parents: list[int], tokens: list[int]) -> int:
+    """Rows of a tree forward on top of `prompt` whose logits differ from the last one-token step over its path
+    (as `ar` computes them), and rows of the prompt's prefill whose logits differ from one-token steps."""
+    cache = m.new_cache(len(prompt) + len(tokens) + 1)
+    L = len(prompt)
+    prefill = m.forward(cache, torch.tensor(prompt), torch.arange(L), 0)  # [L, V]
+    cache.commit(list(range(L)))
+    tree = m.forward(cache, torch.tensor(tokens), position_ids(parents, L), L, ancestor_mask(parents))  # [N, V]
+    cache.rollback(0)
+    steps = []
+    for tok in prompt:
+        steps.append(m.forward(cache, torch.tensor([tok]), torch.tensor([cache.length]), cache.length)[0])
+        cache.commit([0])
+    bad = sum(not torch.equal(a, b) for a, b in zip(prefill, steps))
+    for i in range(len(parents)):
+        cache.rollback(L)
+        for j in path_to(parents, i):
+            step = m.forward(cache, torch.tensor([tokens[j]]), torch.tensor([cache.length]), cache.length)[0]
+            cache.commit([0])
+        bad += not torch.equal(tree[i], step)
+    return bad
+
+
+# prompts that end inside the first block, on block edges and inside the second; chains and trees of 2-16 nodes
+CASES = [(1, 4, True), (BLOCK - 3, 8, False), (BLOCK - 3, 8, True), (BLOCK, 16, True), (BLOCK + 1, 2, False),
+         (2 * BLOCK - 5, 16, True)]
+
+
+@pytest.mark.parametrize("L,n,tree", CASES)
+def test_a_rows_logits_are_its_one_token_steps(L, n, tree):
+    rng = random.Random(L * 100 + n)
+    V = model(True).spec.vocab_size
+    prompt, tokens = [rng.randrange(V) for _ in range(L)], [rng.randrange(V) for _ in range(n)]
+    parents = random_tree(n, rng) if tree else list(range(-1, n - 1))
+    assert differing_rows(model(True), prompt, parents, tokens) == 0
+
+
+def test_without_the_mode_rows_differ():
+    """What the mode removes: SDPA's kernel and oneDNN's one-row product sum in orders that depend on the rows
+    (if this fails, this machine's kernels are batch-invariant without the mode)."""
+    rng = random.Random(0)
+    V = model(False).spec.vocab_size
+    prompt, tokens = [rng.randrange(V) for _ in range(BLOCK + 7)], [rng.randrange(V) for _ in range(16)]
+    assert differing_rows(model(False), prompt, random_tree(16, rng), tokens) > 0
+
+
+@functools.lru_cache(maxsize=None)
+def engine(seed: int, invariant: bool = True):
+    return tiny_engine("llama", seed, dtype=torch.bfloat16, batch_invariant=invariant)
+
+
+SEEDS = (0, 3)  # tiny bfloat16 models whose near-ties make methods leave `ar` without the mode
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+def test_every_method_gives_ar_tokens_in_bfloat16(method):
+    fixed = {"router": RouterConfig(constant_cost=0.3)} if method == "dytc" else {}
+    for seed in SEEDS:
+        e = engine(seed)
+        ar = e.generate_ids(PROMPT, Request(max_new_tokens=60))
+        spec = e.generate_ids(PROMPT, Request(max_new_tokens=60, method=method, **fixed))
+        assert spec.token_ids == ar.token_ids, seed
+
+
+def test_some_method_leaves_ar_without_the_mode():
+    """The seeds above do test something: without the mode, their speculative methods' tokens leave `ar`'s."""
+    left = 0
+    for seed in SEEDS:
+        e = engine(seed, invariant=False)
+        ar = e.generate_ids(PROMPT, Request(max_new_tokens=60)).token_ids
+        left += sum(e.generate_ids(PROMPT, Request(max_new_tokens=60, method=m)).token_ids != ar
+                    for m in ("sd", "vc", "hc"))
+    assert left > 0
+
+
+@pytest.mark.parametrize("prefix", [0, 5, BLOCK, 2 * BLOCK + 9])
+def test_block_attention_is_the_models_attention(prefix):
+    """Against float32 SDPA over the same keys with the tree's mask: the error of bfloat16 rounding only."""
+    gen = torch.Generator().manual_seed(prefix)
+    H, Hkv, hd, parents = 6, 2, 16, [-1, 0, 0, 1, 2, 2, 4, 6]
+    T, S = len(parents), prefix + len(parents)
+    q = torch.randn(H, T, hd, generator=gen).bfloat16()
+    keys = torch.randn(Hkv, S + BLOCK, hd, generator=gen).bfloat16()
+    values = torch.randn(Hkv, S + BLOCK, hd, generator=gen).bfloat16()
+    anc = ancestor_mask(parents)
+    rows = RowKeys.tree(prefix, prefix, anc)
+    out = block_attention(q, keys, values, rows, hd ** -0.5).float()  # [H, T, hd]
+    mask = torch.cat((torch.ones(T, prefix, dtype=torch.bool), anc), dim=1)  # [T, S]
+    ref = F.scaled_dot_product_attention(q.float()[None], keys[:, :S].float()[None], values[:, :S].float()[None],
+                                         attn_mask=mask, enable_gqa=True)[0]
+    assert (out - ref).abs().max() < 0.03
+    # the causal layout (a chain) gives what the gathered one does, bit for bit
+    chain = list(range(-1, T - 1))
+    causal = block_attention(q, keys, values, RowKeys.causal(prefix, T, q.device), hd ** -0.5)
+    gathered = block_attention(q, keys, values, RowKeys.tree(prefix, prefix, ancestor_mask(chain)), hd ** -0.5)
+    assert torch.equal(causal, gathered)
+
+
+def test_the_mode_is_for_bfloat16_on_a_cpu():
+    with pytest.raises(CasspecError, match="bfloat16"):
+        Transformer.from_hf(tiny_model("llama", 0)).with_batch_invariant()  # float32
+    with pytest.raises(CasspecError, match="eagerly"):
+        tiny_engine("llama", 0, dtype=torch.bfloat16, batch_invariant=True, graphs=True)

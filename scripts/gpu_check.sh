@@ -8,8 +8,12 @@
 #                                            casspec bench on the real model (bf16), one question per category; the
 #                                            latency profile the engine made on first use comes back beside it
 #   scripts/gpu_check.sh profile OUT         a quick latency profile of the Llama-7B shape (random weights, bf16)
+#   scripts/gpu_check.sh levels OUT GGUF QUESTIONS
+#                                            the CUDA tests of the quantized levels (bitsandbytes' nf4 needs
+#                                            bitsandbytes on PYTHONPATH), then every level's cost / agreement on the
+#                                            real model (casspec levels, bf16, one question per category)
 set -uo pipefail
-part=${1:?step, bench or profile}
+part=${1:?step, bench, levels or profile}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false CASSPEC_CACHE=${CASSPEC_CACHE:-/tmp/casspec-cache}
@@ -36,10 +40,17 @@ elif [ "$part" = bench ]; then
     cp /tmp/casspec-bench/summary.json "$out/"  # (the answers in one archive: few files come back)
     tar czf "$out/answers.tgz" -C /tmp casspec-bench
     cp "$CASSPEC_CACHE"/profiles/*.json "$out/" 2>/dev/null
+elif [ "$part" = levels ]; then
+    gguf=${3:?GGUF file}
+    questions=${4:?questions file}
+    timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "nf4 or int8" 2>&1 | tail -4
+    timeout 200 python3 -m casspec.cli levels --model "$gguf" --device cuda --dtype bfloat16 --questions "$questions" \
+        --per-category 1 --max-new-tokens 48 --no-progress --levels int8,nf4,skip0.4,exit24,int8+skip0.4 --json \
+        > "$out/levels-cuda.json"
 elif [ "$part" = profile ]; then
     python3 scripts/profile_latency.py --model random:llama-7b --device cuda --dtype bfloat16 --quick \
         --no-progress --out "$out/profile-llama-7b.json"
 else
-    echo "unknown part $part: use step, bench or profile" >&2
+    echo "unknown part $part: use step, bench, levels or profile" >&2
     exit 2
 fi

@@ -23,6 +23,7 @@ bfloat16 (scores and probabilities rounded to bfloat16), with the weighted sum t
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,31 @@ def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     """a [..., M, K] @ b [..., K, N] over `min_rows` rows at least: [..., M, N]."""
     M, K = a.shape[-2:]
     return (_pad_rows(a, min_rows(a.numel() // (M * K), K, b.shape[-1])) @ b)[..., :M, :]
+
+
+PROBE_ROWS = (1, 2, 3, 5, 8, 16)  # row counts the self-check compares
+
+
+@torch.inference_mode()
+def rows_independent(dense: DenseFn, shapes: set[tuple[int, int]], hd: int, dtype: torch.dtype,
+                     device: torch.device) -> bool:
+    """The mode's premise on this machine: `invariant_linear` over each (in, out) product shape, and the attention's
+    block products (head size hd), give every row what it gets alone, whatever the row count. An observation of the
+    kernels (oneDNN's), not their promise, so `Transformer.with_batch_invariant` checks it where it runs."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+    cases = [(functools.partial(invariant_linear, dense), rand(n_out, n_in)) for n_in, n_out in sorted(shapes)]
+    cases += [(invariant_matmul, rand(BLOCK, hd).t()), (invariant_matmul, rand(BLOCK, hd))]  # q @ k.T, p @ v
+    R = max(PROBE_ROWS)
+    for fn, w in cases:
+        x = rand(R, w.shape[1] if fn is not invariant_matmul else w.shape[0])  # [R, inner]
+        alone = torch.cat([fn(x[i:i + 1], w) for i in range(R)])  # [R, out]
+        if not all(torch.equal(fn(x[:r], w), alone[:r]) for r in PROBE_ROWS):
+            return False
+    return True
 
 
 def _round_up(n: int) -> int:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CasspecError
-from .invariant import BLOCK, RowKeys, block_attention, check_supported, invariant_linear, row_keys
+from .invariant import (BLOCK, RowKeys, block_attention, check_supported, invariant_linear, row_keys,
+                        rows_independent)
 from .kernels import DenseFn, DenseKernels
 from .kvcache import KVCache
 from .plan import TARGET, Plan
@@ -269,6 +270,13 @@ class Transformer:
         """The same model, each row of a target forward computed alike whatever the rows around it (dsia/invariant.py):
         a tree verification's logits are then bit for bit those of `ar`'s one-token steps. bfloat16 on a CPU."""
         check_supported(self.dtype, self.device)
+        lw = self.layers[0]
+        shapes = {(w.shape[1], w.shape[0]) for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down,
+                                                     lw.wqkv, lw.w_gate_up, self.lm_head) if w is not None}
+        if not rows_independent(self.dense, shapes, self.spec.head_dim, self.dtype, self.device):
+            raise CasspecError("batch-invariant forwards rest on this machine's bfloat16 kernels giving each row the "
+                               "same result whatever the row count, and here they do not: run without "
+                               "--batch-invariant")
         other = copy.copy(self)
         other.batch_invariant = True
         return other

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from casspec.engine import Request
 from casspec.methods import METHODS
 from dsia.errors import CasspecError
-from dsia.invariant import BLOCK, RowKeys, block_attention
+from dsia.invariant import BLOCK, RowKeys, block_attention, rows_independent
 from dsia.model import Transformer
 from dytc.router import RouterConfig
 from dytc.tree import ancestor_mask, position_ids
@@ -22,8 +22,25 @@ PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 10, 11, 5, 6, 7]  # repeats, so that the lo
 
 
 @functools.lru_cache(maxsize=None)
+def premise() -> bool:
+    """Whether this machine's bf16 kernels give each row the same result whatever the row count (the mode refuses
+    to run where they do not: `test_the_mode_refuses_where_rows_depend_on_the_row_count`)."""
+    m = Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16))
+    lw = m.layers[0]
+    shapes = {(w.shape[1], w.shape[0]) for w in (lw.wq, lw.wk, lw.wo, lw.w_gate, lw.w_down, m.lm_head)}
+    return rows_independent(m.dense, shapes, m.spec.head_dim, m.dtype, m.device)
+
+
+def needs_premise() -> None:
+    if not premise():
+        pytest.skip("this machine's bfloat16 kernels are not row-invariant: the mode refuses to run here")
+
+
+@functools.lru_cache(maxsize=None)
 def model(invariant: bool) -> Transformer:
     m = Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16))
+    if invariant:
+        needs_premise()
     return m.with_batch_invariant() if invariant else m
 
 
@@ -83,11 +100,14 @@ def test_without_the_mode_rows_differ():
     rng = random.Random(0)
     V = model(False).spec.vocab_size
     prompt, tokens = [rng.randrange(V) for _ in range(BLOCK + 7)], [rng.randrange(V) for _ in range(16)]
-    assert differing_rows(model(False), prompt, random_tree(16, rng), tokens) > 0
+    if differing_rows(model(False), prompt, random_tree(16, rng), tokens) == 0:
+        pytest.skip("this machine's kernels are batch-invariant for these shapes without the mode")
 
 
 @functools.lru_cache(maxsize=None)
 def engine(seed: int, invariant: bool = True):
+    if invariant:
+        needs_premise()
     return tiny_engine("llama", seed, dtype=torch.bfloat16, batch_invariant=invariant)
 
 
@@ -112,7 +132,8 @@ def test_some_method_leaves_ar_without_the_mode():
         ar = e.generate_ids(PROMPT, Request(max_new_tokens=60)).token_ids
         left += sum(e.generate_ids(PROMPT, Request(max_new_tokens=60, method=m)).token_ids != ar
                     for m in ("sd", "vc", "hc"))
-    assert left > 0
+    if left == 0:
+        pytest.skip("no near-tie of these tiny models flips on this machine's kernels without the mode")
 
 
 @pytest.mark.parametrize("prefix", [0, 5, BLOCK, 2 * BLOCK + 9])
@@ -143,3 +164,15 @@ def test_the_mode_is_for_bfloat16_on_a_cpu():
         Transformer.from_hf(tiny_model("llama", 0)).with_batch_invariant()  # float32
     with pytest.raises(CasspecError, match="eagerly"):
         tiny_engine("llama", 0, dtype=torch.bfloat16, batch_invariant=True, graphs=True)
+
+
+def test_the_mode_refuses_where_rows_depend_on_the_row_count(monkeypatch):
+    """The self-check catches a kernel whose rows depend on how many there are, and the mode then refuses."""
+    import dsia.model
+
+    def uneven(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, b) + (x.shape[0] > 3) * 2.0 ** -6  # another result over more than 3 rows
+    assert not rows_independent(uneven, {(64, 64)}, 16, torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(dsia.model, "rows_independent", lambda *a: False)
+    with pytest.raises(CasspecError, match="row count"):
+        Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16)).with_batch_invariant()

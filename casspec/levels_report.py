@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
+from dsia.kernels import time_ms
 from dsia.levels import Level, LevelConfig
 from dsia.skip import SkipSwitch, contiguous_skips, skip_plan
 
@@ -78,21 +78,14 @@ def _cost_ratio(engine: Engine, level: Level, repeats: int) -> tuple[float, floa
     model, cache = engine.model, engine.cache
     L = cache.length
     tok, pos = torch.tensor([TIMING_TOKEN], device=engine.device), torch.tensor([L], device=engine.device)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
     lt, tt = [], []
     for r in range(repeats + 2):
-        sync()
-        t0 = time.perf_counter()
-        model.forward(cache, tok, pos, L, plan=level.plan)
-        sync()
-        t1 = time.perf_counter()
-        model.forward(cache, tok, pos, L)
-        sync()
-        t2 = time.perf_counter()
+        level_ms = time_ms(lambda: model.forward(cache, tok, pos, L, plan=level.plan), engine.device)
+        target_ms = time_ms(lambda: model.forward(cache, tok, pos, L), engine.device)
         if r >= 2:  # the first two are warm-up
-            lt.append(t1 - t0)
-            tt.append(t2 - t1)
-    return statistics.median(lt) * 1e3, statistics.median(tt) * 1e3
+            lt.append(level_ms)
+            tt.append(target_ms)
+    return statistics.median(lt), statistics.median(tt)
 
 
 @torch.inference_mode()

@@ -266,14 +266,17 @@ class Transformer:
         so its time is no sample of the forward's cost."""
         return self.graphs.stats.captures if self.graphs is not None else 0
 
+    def product_shapes(self) -> set[tuple[int, int]]:
+        """The (in, out) features of the target's dense products (every layer has the first layer's)."""
+        lw = self.layers[0]
+        return {(w.shape[1], w.shape[0]) for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down,
+                                                   lw.wqkv, lw.w_gate_up, self.lm_head) if w is not None}
+
     def with_batch_invariant(self) -> "Transformer":
         """The same model, each row of a target forward computed alike whatever the rows around it (dsia/invariant.py):
         a tree verification's logits are then bit for bit those of `ar`'s one-token steps. bfloat16 on a CPU."""
         check_supported(self.dtype, self.device)
-        lw = self.layers[0]
-        shapes = {(w.shape[1], w.shape[0]) for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down,
-                                                     lw.wqkv, lw.w_gate_up, self.lm_head) if w is not None}
-        if not rows_independent(self.dense, shapes, self.spec.head_dim, self.dtype, self.device):
+        if not rows_independent(self.dense, self.product_shapes(), self.spec.head_dim, self.dtype, self.device):
             raise CasspecError("batch-invariant forwards rest on this machine's bfloat16 kernels giving each row the "
                                "same result whatever the row count, and here they do not: run without "
                                "--batch-invariant")

@@ -68,7 +68,7 @@ def top_k(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     T, V = x.shape
     if x.device.type != "cpu" or V % TOPK_BLOCK or k * TOPK_BLOCK >= V:
         return x.topk(k, dim=-1)
-    blocks = x.view(T, V // TOPK_BLOCK, TOPK_BLOCK)  # [T, nb, B]
+    blocks = x.reshape(T, V // TOPK_BLOCK, TOPK_BLOCK)  # [T, nb, B] (a view where x is contiguous)
     best = blocks.amax(-1).topk(k, dim=-1).indices  # [T, k] the blocks holding the top k
     cand = blocks.gather(1, best[:, :, None].expand(T, k, TOPK_BLOCK)).reshape(T, k * TOPK_BLOCK)  # [T, k*B]
     values, at = cand.topk(k, dim=-1)  # [T, k]

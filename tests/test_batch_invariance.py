@@ -26,9 +26,7 @@ def premise() -> bool:
     """Whether this machine's bf16 kernels give each row the same result whatever the row count (the mode refuses
     to run where they do not: `test_the_mode_refuses_where_rows_depend_on_the_row_count`)."""
     m = Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16))
-    lw = m.layers[0]
-    shapes = {(w.shape[1], w.shape[0]) for w in (lw.wq, lw.wk, lw.wo, lw.w_gate, lw.w_down, m.lm_head)}
-    return rows_independent(m.dense, shapes, m.spec.head_dim, m.dtype, m.device)
+    return rows_independent(m.dense, m.product_shapes(), m.spec.head_dim, m.dtype, m.device)
 
 
 def needs_premise() -> None:

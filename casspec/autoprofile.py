@@ -60,7 +60,7 @@ def autoprofile(engine: Engine, key: dict, progress: bool = True) -> dict | None
     with locked(path):
         prof = cached_profile(key)  # another process may have measured it while this one waited
         if prof is None:
-            cfg = replace(AUTO, levels=default_levels(engine.device.type))
+            cfg = replace(AUTO, levels=default_levels(engine.device.type, engine.plane))
             print(f"casspec: no latency profile for {key['model']} {key['dtype']} on this machine: measuring one "
                   f"(once, up to about {AUTO.budget_s:.0f} s; cached in {path.parent}; --no-autoprofile skips it)",
                   file=sys.stderr)

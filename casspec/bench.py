@@ -310,6 +310,9 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
         methods[name].update(_engine_stats(ans))
     return {"model": engine.name, "device": str(engine.device), "machine": machine_info(engine.device.type),
             "kernels": engine.kernels, "build": engine.build, "dtype": dtype,
+            "levels_plane": None if engine.plane is None else {"created": engine.plane.created,
+                                                                "verify_ratio": engine.plane.verify_ratio,
+                                                                "ranked": [vars(r) for r in engine.plane.ranked]},
             "max_new_tokens": max_new_tokens,
             "sampling": vars(sampling), "baseline": BASELINE, "methods": methods}
 

@@ -37,6 +37,7 @@ from .detok import TextStream
 from .levelstore import LevelStore
 from .loading import Loaded, load
 from .methods import Drafters, make_policy
+from .plane import MIN_CONTEXT, Plane, PlaneConfig, levels_plane, plane_key
 from .request import Prompt, Request
 from .state import StateFile
 from .stats import Result, Stats
@@ -100,6 +101,9 @@ class Engine:
         self.levels = LevelRegistry(self.model, store=store)  # draft levels, built on first use and reused
         self.setup = {"kernels": time.perf_counter() - t0}  # seconds of set-up by phase, until a generation reports
         t0 = time.perf_counter()
+        self.plane = self._levels_plane(autoprofile)  # chooses the default draft levels (before they are profiled)
+        self.setup["plane"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.latency, self.latency_source = self._latency_model(autoprofile)
         self.setup["profile"] = time.perf_counter() - t0
         self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, self.build)
@@ -108,7 +112,8 @@ class Engine:
         learned, trackers = self.state.load(self._state_origin) if self.state else (None, {})
         if learned is not None:
             self.latency, self.latency_source = learned, self.latency_source + ", refined by earlier runs"
-        self.drafters = Drafters(self.levels, trackers, self.device.type)  # what the methods' policies draw on
+        # what the methods' policies draw on
+        self.drafters = Drafters(self.levels, trackers, self.device.type, self.plane)
         self._lock = threading.Lock()  # held by the generation that runs (see the module's docstring)
         self._owner: int | None = None  # the thread that holds it
         self._local = threading.local()  # per thread: the Result of its latest generation
@@ -149,6 +154,16 @@ class Engine:
     @property
     def _dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    def _levels_plane(self, measure: bool) -> Plane | None:
+        """The draft levels measured on this machine that choose the multi-level methods' default sources
+        (plane.py): read back, else measured now when `measure` (first use); None on a GPU (issue 18's measured
+        default), without a tokenizer, or when the context window is too small to measure in."""
+        if self.device.type != "cpu" or self.tokenizer is None or self.cache.capacity < MIN_CONTEXT:
+            return None
+        cfg = PlaneConfig()
+        key = plane_key(profile_key(machine_info("cpu"), self.name, self._dtype_name, self.build), cfg)
+        return levels_plane(self, key, measure, cfg)
 
     def _latency_model(self, autoprofile: bool) -> tuple[LatencyModel, str]:
         """The predictor of the profile measured on this machine for this model and dtype (the repo's, else the
@@ -278,7 +293,7 @@ class Engine:
     # ------------------------------------------------------------------ text and stops
     def _pieces(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None) -> Iterator[str]:
         stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
-                      kernels=self.kernels)
+                      kernels=self.kernels, sources=self.drafters.describe(req))
         start = time.perf_counter()
         policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
         stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}

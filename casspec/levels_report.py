@@ -22,7 +22,6 @@ from dsia.skip import SkipSwitch, contiguous_skips, skip_plan
 
 from .bench import Question
 from .engine import Engine
-from .request import Request
 
 DEFAULT_LEVELS = ("int8", "int4", "nf4", "skip0.4", "skip0.6", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
 WARMUP_PROMPT = "Write a few paragraphs about the history of printing, from woodblocks to laser printers."
@@ -38,10 +37,25 @@ class Measured:
     contiguous_agree: int = 0  # skip levels: hits with the same count of sublayers skipped contiguously
 
 
+def greedy_answer(engine: Engine, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target's greedy continuation of prompt (one-token forwards, as `ar` runs; ends with EOS where it stops),
+    straight on the engine's cache: no generation machinery, so an engine still being set up can measure."""
+    engine.cache.rollback(0)
+    ids, out = list(prompt), []
+    logits = engine.extend_prefix(ids)  # [1, V]
+    while len(out) < max_new_tokens:
+        out.append(int(logits[-1].argmax()))
+        if out[-1] in engine.eos_ids:
+            break
+        ids.append(out[-1])
+        logits = engine.extend_prefix(ids)
+    return out
+
+
 def _learn(engine: Engine, level: Level, tokens: int) -> None:
     """Let a level learn on the warm-up prompt: run its on-the-fly search to the end."""
     ids = engine.encode(WARMUP_PROMPT)
-    cont = engine.generate_ids(ids, Request(max_new_tokens=tokens)).token_ids
+    cont = greedy_answer(engine, ids, tokens)
     cache = engine.cache
     cache.rollback(0)
     hist = ids + cont
@@ -98,8 +112,8 @@ def measure_levels(engine: Engine, questions: list[Question], names: list[str], 
     data = {lv.name: Measured() for lv in levels}
     target_ms = []
     for q in tqdm(questions, desc="levels", unit="q", disable=not progress, file=sys.stderr):
-        prompt = engine.encode([{"role": "user", "content": q.turns[0]}])
-        cont = engine.generate_ids(prompt, Request(max_new_tokens=max_new_tokens)).token_ids
+        prompt = engine.encode(q.turns[0])  # through the chat template where the tokenizer has one
+        cont = greedy_answer(engine, prompt, max_new_tokens)
         for level in levels:
             m = data[level.name]
             plans = [None]

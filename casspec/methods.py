@@ -17,6 +17,7 @@ from dytc.router import DyTC, RouterConfig
 from dytc.sources import BOTTOMS, LOOKUPS, PLD
 
 if TYPE_CHECKING:
+    from .plane import Plane
     from .request import Request
 
 SINGLE_LEVEL = ("sd", "sd-rs", "tree")  # methods drafting with Request.level
@@ -32,10 +33,24 @@ class Drafters:
     levels: LevelRegistry  # draft levels by name, built on first use and reused
     trackers: dict[str, AcceptanceTracker]  # dytc's acceptance estimates, per router configuration
     device_type: str  # "cpu" | "cuda": picks the default sources
+    plane: Plane | None = None  # the levels measured on this machine, which choose the defaults (None: fixed ones)
 
     def sources(self, req: Request) -> list[tuple[str, int]]:
         """The request's sources of a multi-level method, or the method's defaults."""
-        return parse_sources(req.method, req.levels) or default_sources(req.method, self.device_type)
+        return parse_sources(req.method, req.levels) or default_sources(req.method, self.device_type, self.plane)
+
+    def describe(self, req: Request) -> str:
+        """The request's draft sources and where they come from, for --stats ("" for ar and pld)."""
+        if req.method in SINGLE_LEVEL:
+            return req.level
+        if req.method not in MULTI_LEVEL:
+            return ""
+        names = ", ".join(f"{n}*{k}" if k else n for n, k in self.sources(req))
+        if req.levels:
+            return f"{names} (the request's)"
+        if self.plane is not None and self.plane.sources(req.method):
+            return f"{names} (chosen by the levels measured on this machine, {self.plane.created})"
+        return f"{names} (fixed defaults)"
 
 
 def _dytc(req: Request, d: Drafters) -> Policy:
@@ -77,10 +92,14 @@ def make_policy(req: Request, drafters: Drafters) -> Policy:
     return POLICIES[req.method](req, drafters)
 
 
-def default_sources(method: str, device_type: str) -> list[tuple[str, int]]:
-    """The levels (and hc segments) of a multi-level method when the request names none. On the CPU the int4
-    kernels are the cheapest drafts; on a GPU a small model's forward costs its kernel launches, whatever the
-    weights' precision, so fewer layers (a skip level) is what makes a draft cheaper there."""
+def default_sources(method: str, device_type: str, plane: Plane | None = None) -> list[tuple[str, int]]:
+    """The levels (and hc segments) of a multi-level method when the request names none: the plane's choice where
+    one was measured on this machine (plane.py), else fixed ones. On the CPU the int4 kernels were the cheapest
+    drafts where measured; on a GPU a small model's forward costs its kernel launches, whatever the weights'
+    precision, so fewer layers (a skip level) is what makes a draft cheaper there (issue 18's measurement)."""
+    chosen = plane.sources(method) if plane is not None else None
+    if chosen:
+        return chosen
     cpu = device_type == "cpu"
     if method == "dytc":
         return [(n, 0) for n in (RouterConfig.levels if cpu else (GPU_LEVEL,))]
@@ -89,10 +108,10 @@ def default_sources(method: str, device_type: str) -> list[tuple[str, int]]:
     return list(CascadeConfig.hc_segments) if cpu else [(GPU_LEVEL, 4), (PLD, 4)]
 
 
-def default_levels(device_type: str) -> tuple[str, ...]:
+def default_levels(device_type: str, plane: Plane | None = None) -> tuple[str, ...]:
     """The draft levels the multi-level methods route by default on this device (what a profile made on first
     use measures besides the target)."""
-    names = [n for m in MULTI_LEVEL for n, _ in default_sources(m, device_type) if n not in LOOKUPS]
+    names = [n for m in MULTI_LEVEL for n, _ in default_sources(m, device_type, plane) if n not in LOOKUPS]
     return tuple(dict.fromkeys(names))
 
 

@@ -32,6 +32,7 @@ class Stats:
     noise_seconds: float = 0.0  # sampling: drawing the position-owned noise (drafting and verification share it)
     finish_reason: str = ""  # eos | stop | length | context | cancelled
     latency: str = ""  # where the latency predictor comes from (a profile, or online fitting)
+    sources: str = ""  # the draft levels (and lookups) of the method, and where they come from
     kernels: str = ""  # which dense kernel ran the target's products, by token count, and where the choice came from
     predicted_verify_seconds: float = 0.0  # what the predictor expected the verification forwards to take
     accepted_by_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d+1
@@ -115,7 +116,8 @@ class Stats:
                 f"(predicted {self.predicted_verify_seconds:.2f}s)"
                 + (f", noise {self.noise_seconds:.2f}s" if self.noise_seconds else "")
                 + f"; finish: {self.finish_reason}; "
-                f"latency: {self.latency}; kernels: {self.kernels}"
+                + (f"sources: {self.sources}; " if self.sources else "")
+                + f"latency: {self.latency}; kernels: {self.kernels}"
                 + (f"; {json.dumps(self.policy)}" if self.policy else ""))
 
 

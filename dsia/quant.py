@@ -9,6 +9,9 @@ Kinds (weight-only, activations go through the kernel in `act_dtype`, the output
   int8      per-output-channel symmetric int8, `torch._weight_int8pack_mm`: w = q * scale[out]
   int4      group-wise asymmetric 4-bit, `torch._weight_int4pack_mm_for_cpu`: w = (q - 8) * scale[g, out] + zero[g, out]
   nf4       bitsandbytes NF4 (block absmax), its fused AVX512-BF16 CPU kernel
+  bf16      the weights rounded to bfloat16, a dense bfloat16 product (`F.linear`): half the bytes of float32 and
+            nearly its agreement; cheap where the CPU multiplies bfloat16 natively (AMX, AVX512-BF16), which is
+            what the levels plane (casspec/plane.py) measures before choosing it
   w8a8      per-output-channel symmetric int8 weights and per-call int8 activations, fbgemm's dynamic quantized
             linear (AVX512-VNNI / AVX2 integer products; CPU only, where torch has it): the activations are
             quantized too, so it drafts less exactly than weight-only int8, but over 4-16 tokens it ran 3-5x
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CasspecError
@@ -41,7 +45,7 @@ from .model import Transformer
 from .plan import HeadFn, LinearFn, Plan
 from .strategy import HasBytes, Resources, Strategy, Switch
 
-KINDS = ("int8", "int4", "nf4", "w8a8")  # body kinds, each a level name
+KINDS = ("int8", "int4", "nf4", "w8a8", "bf16")  # body kinds, each a level name
 HEAD_KINDS = KINDS + ("int8g",)  # LM head kinds
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 NF4_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes.functional.quantize_4bit accepts
@@ -53,7 +57,7 @@ W8A8_REDUCE_RANGE = False
 
 @dataclass(frozen=True)
 class QuantConfig:
-    kind: str  # body kind: "int8" | "int4" | "nf4"
+    kind: str  # body kind, one of KINDS
     group_size: int = 32  # int4/int8g: input columns per scale (32 = GGUF Q4_1/Q8_0 blocks); nf4: bnb blocksize
     act_dtype: torch.dtype = torch.bfloat16  # activations inside the torch int8/int4 kernels (bf16: 10-25x fp32 here)
     head_kind: str | None = "int8g"  # LM head kind; None = same as kind (int8g: a 4-bit head costs most agreement)
@@ -189,6 +193,22 @@ class NF4Linear:
         return _nbytes(self.packed, self.state.absmax, self.state.code)
 
 
+class BF16Linear:
+    """The weight rounded to bfloat16, multiplied densely in bfloat16. x [T, in] -> y [T, out] (no bias)."""
+
+    kind = "bf16"
+
+    def __init__(self, w: Tensor) -> None:
+        self.w = w.detach().to(torch.bfloat16).contiguous()  # [out, in]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(torch.bfloat16), self.w).to(x.dtype)  # [T, out]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.w)
+
+
 class W8A8Linear:
     """Per-output-channel symmetric int8 weights, activations quantized per call (per tensor, asymmetric uint8) by
     fbgemm's dynamic quantized linear: w ~ q * scale[out]. x [T, in] float32 -> y [T, out] float32 (no bias)."""
@@ -224,7 +244,7 @@ def w8a8_available() -> bool:
         return False
 
 
-QuantLinear = Int8Linear | Int8GroupLinear | Int4Linear | NF4Linear | W8A8Linear
+QuantLinear = Int8Linear | Int8GroupLinear | Int4Linear | NF4Linear | W8A8Linear | BF16Linear
 
 
 class FusedLinear:
@@ -270,6 +290,8 @@ def quantize_weight(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear:
         if w.device.type != "cpu":
             raise CasspecError(f"w8a8 kernels run on cpu only, the model is on {w.device}: use int8")
         return W8A8Linear(w)
+    if kind == "bf16":
+        return BF16Linear(w)
     return Int8Linear(w, cfg.act_dtype)
 
 
@@ -330,7 +352,8 @@ def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int]
 
 
 # ---------------------------------------------------------------------------------------------- on disk
-_STORED = {cls.__name__: cls for cls in (Int8Linear, Int4Linear, Int8GroupLinear)}  # kernels a QuantCodec keeps
+# kernels a QuantCodec keeps
+_STORED = {cls.__name__: cls for cls in (Int8Linear, Int4Linear, Int8GroupLinear, BF16Linear)}
 
 
 def _encode_kernel(k: QuantLinear, prefix: str, tensors: dict[str, Tensor]) -> dict:
@@ -392,7 +415,7 @@ class QuantCodec:
 # ---------------------------------------------------------------------------------------------- strategy
 @dataclass(frozen=True)
 class Quant(Strategy):
-    """`int8` | `int4` | `nf4` | `w8a8`: every projection and the LM head (int8g) run quantized copies."""
+    """`int8` | `int4` | `nf4` | `w8a8` | `bf16`: every projection and the LM head (int8g) run quantized copies."""
 
     kind: str  # body kind, one of KINDS
 

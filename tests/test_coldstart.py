@@ -174,7 +174,7 @@ def test_profile_rounds_stop_when_the_budget_is_spent():
 def test_stats_separate_setup_from_generation(cache):
     e = tiny_engine()
     first = e.generate_ids(PROMPT, Request(max_new_tokens=8, method="dytc")).stats
-    assert set(first.setup) == {"kernels", "profile", "levels"} and first.setup["levels"] > 0
+    assert set(first.setup) == {"kernels", "plane", "profile", "levels"} and first.setup["levels"] > 0
     later = e.generate_ids(PROMPT, Request(max_new_tokens=8, method="dytc")).stats
     assert set(later.setup) == {"levels"}  # the engine's set-up is reported once; the levels were built
     assert later.setup_summary().startswith("setup ") and "levels" in later.setup_summary()

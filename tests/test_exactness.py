@@ -13,7 +13,7 @@ from dsia.quant import w8a8_available
 from dytc.router import RouterConfig
 from tiny import tiny_engine
 
-LEVELS = ("int8", "int4", "nf4", "w8a8", "skip0.3", "exit2", "sparse0.5", "vocab", "int4+vocab", "int8+skip0.2")
+LEVELS = ("int8", "int4", "nf4", "w8a8", "bf16", "skip0.3", "exit2", "sparse0.5", "vocab", "int4+vocab", "int8+skip0.2")
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 10, 11, 5, 6, 7]  # repeats, so that the lookups find matches
 
 

@@ -39,8 +39,9 @@ def test_bad_names_get_a_clear_error(bad):
 
 
 # ---------------------------------------------------------------------- the registry
-EXAMPLES = {"int8": "int8", "int4": "int4", "nf4": "nf4", "w8a8": "w8a8", "skipR (0 < R < 1)": "skip0.3",
-            "exitL (1 <= L < layers)": "exit2", "sparseS (0 < S < 1)": "sparse0.5", "vocab": "vocab"}  # form -> name
+EXAMPLES = {"int8": "int8", "int4": "int4", "nf4": "nf4", "w8a8": "w8a8", "bf16": "bf16",
+            "skipR (0 < R < 1)": "skip0.3", "exitL (1 <= L < layers)": "exit2", "sparseS (0 < S < 1)": "sparse0.5",
+            "vocab": "vocab"}  # form -> name
 
 
 def test_every_registered_form_parses_and_round_trips():
@@ -60,9 +61,9 @@ def test_a_mix_in_any_order_gets_the_canonical_name():
 def test_an_unknown_part_lists_the_registered_forms():
     with pytest.raises(CasspecError) as e:
         LevelConfig.parse("int4+fast")
-    assert str(e.value) == ("unknown level 'int4+fast' ('fast' is not a level form): use int8, int4, nf4, w8a8, skipR "
-                            "(0 < R < 1), exitL (1 <= L < layers), sparseS (0 < S < 1), vocab, or mixes joined by "
-                            "'+', e.g. int4+sparse0.5")
+    assert str(e.value) == ("unknown level 'int4+fast' ('fast' is not a level form): use int8, int4, nf4, w8a8, bf16, "
+                            "skipR (0 < R < 1), exitL (1 <= L < layers), sparseS (0 < S < 1), vocab, or mixes "
+                            "joined by '+', e.g. int4+sparse0.5")
     with pytest.raises(CasspecError, match=r"skip is given twice"):
         LevelConfig.parse("skip0.2+int8+skip0.3")
 

@@ -46,6 +46,8 @@ def ref_dequant(w: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
     if kind == "int8":
         s = rnd((w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12))
         return (w / s).round().clamp(-127, 127) * s
+    if kind == "bf16":
+        return w.bfloat16().float()
     if kind == "w8a8":  # the scales stay in float64
         s = (w.double().abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
         return ((w.double() / s).round().clamp(-127, 127) * s).float()
@@ -68,7 +70,7 @@ def ref_dequant(w: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
 
 
 def act_of(kind: str, cfg: QuantConfig) -> torch.dtype:
-    return torch.bfloat16 if kind == "nf4" else torch.float32 if kind == "w8a8" else cfg.act_dtype
+    return torch.bfloat16 if kind in ("nf4", "bf16") else torch.float32 if kind == "w8a8" else cfg.act_dtype
 
 
 def ref_act(x: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
@@ -111,7 +113,7 @@ def test_kernel_equals_dense_matmul_with_dequantized_weight(kind, act_dtype):
     torch.testing.assert_close(y, ref, rtol=0, atol=tol * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("kind,bound", [("int8", 0.02), ("int8g", 0.02), ("int4", 0.15), ("w8a8", 0.03),
+@pytest.mark.parametrize("kind,bound", [("int8", 0.02), ("int8g", 0.02), ("int4", 0.15), ("w8a8", 0.03), ("bf16", 0.01),
                                         pytest.param("nf4", 0.15, marks=kind_param("nf4").marks)])
 def test_kernel_close_to_original_weight(kind, bound):
     torch.manual_seed(1)

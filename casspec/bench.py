@@ -29,6 +29,7 @@ from dytc.sampling import SamplingParams
 from dytc.sources import BOTTOMS
 
 from .engine import Engine
+from .lcpp import LCPP_METHODS, lcpp_runner
 from .methods import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
 from .request import Request
 from .stats import policy_ms_per_step
@@ -45,7 +46,8 @@ HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": PLD_NUM_TOKENS
               "hf-ar-compiled": {}}  # over a static cache of the engine's context size, which HF's generate
 # compiles (torch.compile, mode "reduce-overhead": CUDA graphs) on a GPU, the fastest HF setup there (GPU only)
 HF_COMPILED = "hf-ar-compiled"
-BENCH_METHODS = tuple(HF_METHODS) + METHODS
+BASELINES = tuple(HF_METHODS) + LCPP_METHODS  # other engines' generation, beside casspec's methods
+BENCH_METHODS = BASELINES + METHODS
 
 
 @dataclass
@@ -157,7 +159,7 @@ def parse_methods(spec: str | Sequence[str]) -> list[str]:
         name, _, variant = m.split(":")[0].partition("~")
         if variant and variant not in variants(name):
             return False
-        return name in BENCH_METHODS and not (":" in m and name in HF_METHODS)
+        return name in BENCH_METHODS and not (":" in m and name in BASELINES)
 
     unknown = [m for m in names if not known(m)]
     if unknown or not names:
@@ -240,6 +242,9 @@ def make_runner(engine: Engine, method: str, level: str = "int4",
         raise CasspecError(f"{HF_COMPILED} needs --device cuda: HF compiles its generation step only on a GPU")
     if method in HF_METHODS:
         return _hf_runner(engine, HF_METHODS[method], sampling, static_cache=method == HF_COMPILED, seed=seed)
+    if method in LCPP_METHODS:
+        return lcpp_runner(engine.source, method.endswith("-f32"), engine.cache.capacity, engine.eos_ids, sampling,
+                           seed)
     return _engine_runner(engine, method, level, sampling, seed)
 
 
@@ -356,7 +361,7 @@ def divergences(engine: Engine, questions: list[Question], answers: dict[str, li
     ref = answers[REFERENCE]
     out = {}
     for m, ans in answers.items():
-        if m in HF_METHODS or m == REFERENCE:
+        if m in BASELINES or m == REFERENCE:
             continue
         found = [d for q, r, a in zip(questions, ref, ans) if (d := first_divergence(engine, q, r, a)) is not None]
         out[m] = {"identical_to_ar": not found, "ar_divergences": found}

@@ -137,7 +137,8 @@ def _run_sampling(p) -> None:
 def _bench_args(sub) -> None:
     b = sub.add_parser("bench", help="Spec-Bench run: methods vs the HF transformers baseline")
     _questions(b)
-    b.add_argument("--methods", default="hf-ar,hf-pld,ar", help="comma-separated methods")
+    b.add_argument("--methods", default="hf-ar,hf-pld,ar", help="comma-separated methods (baselines: hf-ar, hf-pld, "
+                   "hf-ar-compiled, and with llama-cpp-python lcpp-ar, lcpp-ar-f32)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--level", default="int4", help="draft level of sd / tree (or per method: sd:int8)")
     b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")

@@ -69,6 +69,7 @@ class Engine:
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
+        self.source = loaded.source  # the checkpoint file or folder (None: built in memory)
         model = loaded.runtime if loaded.runtime is not None else Transformer.from_hf(loaded.model)
         cuda = model.device.type == "cuda"
         fuse = cuda if fuse_projections is None else fuse_projections

@@ -11,6 +11,7 @@ warning line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import importlib.util
@@ -53,6 +54,7 @@ class Loaded:
     store_dir: Path | None = None  # user-cache folder keyed by these weights, for what is built from them (levels)
     runtime: Transformer | None = None  # the runtime read directly from the files (None: wrap `model`)
     generation_eos: tuple[int, ...] = ()  # generation_config's EOS ids (the HF model carries them when loaded)
+    source: Path | None = None  # the checkpoint loaded: a folder or a .gguf file (what llama.cpp can run)
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -474,7 +476,8 @@ def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
     if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
         return _load_random(model[len(RANDOM_PREFIX):], dt, dev)
     if model is None:
-        return _load_gguf(embedded_gguf(), dt, dev, EMBEDDED_NAME, hf)
+        gguf = embedded_gguf()
+        return dataclasses.replace(_load_gguf(gguf, dt, dev, EMBEDDED_NAME, hf), source=gguf)
     path = Path(model).expanduser()
     if not path.exists():
         raise CasspecError(f"model path {str(path)!r} does not exist: pass an HF checkpoint folder or a .gguf file")
@@ -482,7 +485,7 @@ def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
         if not (path / "config.json").is_file():
             raise CasspecError(f"{path} has no config.json: pass an HF checkpoint folder (config.json, "
                                "*.safetensors, tokenizer files) or a .gguf file")
-        return _load_hf_dir(path, dt, dev, path.name, hf_store_dir(path), hf)
+        return dataclasses.replace(_load_hf_dir(path, dt, dev, path.name, hf_store_dir(path), hf), source=path)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dt, dev, path.stem, hf)
+        return dataclasses.replace(_load_gguf(path, dt, dev, path.stem, hf), source=path)
     raise CasspecError(f"{path} is neither a checkpoint folder nor a .gguf file: pass one of those")

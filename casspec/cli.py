@@ -14,6 +14,8 @@ from dsia.kernels import KERNELS
 from dsia.levels import LevelConfig
 from dytc.sources import DEFAULT_BOTTOM
 
+from .native import WEIGHTS
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
@@ -35,6 +37,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true", help="bfloat16 on a CPU: compute each row of the "
                    "target's forwards alike whatever the rows around it, so that every method's greedy tokens are "
                    "ar's (about 5-30%% slower forwards; see the README)")
+    p.add_argument("--weights", default="float", choices=WEIGHTS, help="float: the checkpoint's weights in --dtype "
+                   "(a quantized GGUF dequantized); native: a Q4_0/Q4_1/Q8_0 GGUF run in its stored quantization "
+                   "by packed int4 kernels (CPU)")
 
 
 RUNTIME_ONLY = ("generate", "serve")  # commands that run casspec's runtime alone: no HF model, and they keep what
@@ -50,7 +55,7 @@ def _engine(args: argparse.Namespace):
                                   keep_state=args.command in RUNTIME_ONLY, hf=args.command not in RUNTIME_ONLY,
                                   graphs=False if args.no_graphs else None,
                                   compile_pointwise=False if args.no_compile else None,
-                                  batch_invariant=args.batch_invariant)
+                                  batch_invariant=args.batch_invariant, weights=args.weights)
 
 
 def _autoprofile(p: argparse.ArgumentParser) -> None:

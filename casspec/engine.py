@@ -37,6 +37,7 @@ from .detok import TextStream
 from .levelstore import LevelStore
 from .loading import Loaded, load
 from .methods import Drafters, make_policy
+from .native import WEIGHTS, native_plan
 from .plane import MIN_CONTEXT, Plane, PlaneConfig, levels_plane, plane_key
 from .request import Prompt, Request
 from .state import StateFile
@@ -49,7 +50,7 @@ class Engine:
     def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
                  graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
                  keep_state: bool = True, fuse_projections: bool | None = None, reuse_prefix: bool = True,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, weights: str = "float") -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
         every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on
         a GPU; without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do).
@@ -62,6 +63,8 @@ class Engine:
         answer) prefills only the rest, as llama.cpp's prompt cache and vLLM's prefix caching do; that KV was
         written by the previous generation's forwards, whose float32 results differ from one prefill's in the last
         bits, as a tree verification's differ from a one-token step's.
+        weights: "float" runs the checkpoint's weights in the model's dtype (a quantized GGUF dequantized), "native"
+        a Q4_0 / Q4_1 / Q8_0 GGUF in its stored quantization (casspec/native.py; CPU).
         batch_invariant: each row of a target forward computed alike whatever the rows around it
         (dsia/invariant.py), so that every method's greedy tokens are `ar`'s in bfloat16 too (bfloat16 on a CPU; its
         forwards run eagerly)."""
@@ -71,6 +74,14 @@ class Engine:
         self.name = loaded.name
         self.source = loaded.source  # the checkpoint file or folder (None: built in memory)
         model = loaded.runtime if loaded.runtime is not None else Transformer.from_hf(loaded.model)
+        if weights not in WEIGHTS:
+            raise CasspecError(f"unknown weights {weights!r}: use one of {', '.join(WEIGHTS)}")
+        native = weights == "native"
+        if native:
+            if loaded.source is None or loaded.source.suffix.lower() != ".gguf":
+                raise CasspecError("--weights native runs a quantized GGUF file: pass --model FILE.gguf (or the "
+                                   "embedded default), or use --weights float")
+            model = model.with_native(native_plan(loaded.source, model))
         cuda = model.device.type == "cuda"
         fuse = cuda if fuse_projections is None else fuse_projections
         if fuse:
@@ -92,7 +103,8 @@ class Engine:
             graphs = cuda
         # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
         self.build = "; ".join([dense.describe()] + [name for name, on in (
-            ("fused projections", fuse), ("compiled pointwise", compiled), ("CUDA graphs", graphs),
+            ("native weights", native), ("fused projections", fuse), ("compiled pointwise", compiled),
+            ("CUDA graphs", graphs),
             ("batch-invariant", batch_invariant)) if on])
         self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
@@ -127,7 +139,7 @@ class Engine:
                         kernels: str = "auto", graphs: bool | None = None, compile_pointwise: bool | None = None,
                         autoprofile: bool = True, keep_state: bool = True, hf: bool = True,
                         fuse_projections: bool | None = None, reuse_prefix: bool = True,
-                        batch_invariant: bool = False) -> "Engine":
+                        batch_invariant: bool = False, weights: str = "float") -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
         model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
         t0 = time.perf_counter()
@@ -135,7 +147,7 @@ class Engine:
         load_s = time.perf_counter() - t0
         engine = cls(loaded, max_context, kernels, graphs=graphs, compile_pointwise=compile_pointwise,
                      autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections,
-                     reuse_prefix=reuse_prefix, batch_invariant=batch_invariant)
+                     reuse_prefix=reuse_prefix, batch_invariant=batch_invariant, weights=weights)
         engine.setup = {"load": load_s, **engine.setup}
         return engine
 

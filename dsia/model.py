@@ -191,6 +191,9 @@ class Transformer:
         self.graphs: Graphs | None = None  # CUDA graphs of small forwards (`with_graphs`); None runs eagerly
         self.pointwise = EAGER  # the elementwise steps (`with_pointwise`: compiled ones on a GPU)
         self.batch_invariant = False  # target forwards whose rows do not depend on each other (`with_batch_invariant`)
+        # the target's own kernels where the checkpoint is run in its stored quantization (`with_native`): every
+        # product a plan does not replace runs them instead of the dense weights; None: the dense weights
+        self.native: Plan | None = None
         self.embed = embed  # [V, D]
         self.layers = layers
         self.norm = norm  # [D]
@@ -284,6 +287,16 @@ class Transformer:
         other.batch_invariant = True
         return other
 
+    def with_native(self, native: Plan) -> "Transformer":
+        """The same model, its products run by `native`'s kernels (linears, fused, head) wherever a plan does not
+        replace them: the checkpoint in its stored quantization is then the target, and each level a plan over it.
+        The dense weights stay for what is built from them (a level's quantized copy, a sparse gather)."""
+        if self.batch_invariant:
+            raise CasspecError("native quantized weights and batch-invariant forwards do not combine: use one")
+        other = copy.copy(self)
+        other.native = native
+        return other
+
     def with_pointwise(self, pointwise: Pointwise) -> "Transformer":
         """The same weights, the elementwise steps run by `pointwise`."""
         other = copy.copy(self)
@@ -298,18 +311,28 @@ class Transformer:
         return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, cap, self.dtype, self.device, spare)
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one full target forward reads."""
+        """Bytes of weights one full target forward reads (its native kernels' where it has them)."""
         seen: set[int] = set()
         total = 0
-        tensors = [self.norm, self.lm_head]
-        for lw in self.layers:
+        native = self.native
+        tensors = [self.norm] + ([self.lm_head] if native is None or native.head is None else [])
+        kernels = {} if native is None else {id(k): k for k in [*native.linears.values(), *native.fused.values(),
+                                                                native.head] if k is not None}
+        for i, lw in enumerate(self.layers):
             norms = [t for t in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm) if t is not None]
-            tensors += lw.products() + norms + list(lw.bias.values())
+            tensors += norms + list(lw.bias.values())
+            products = dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down)
+            if native is not None:  # what the native kernels run is counted once, as their bytes, below
+                for key, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+                    if (i, key) in native.fused:
+                        products = {n: w for n, w in products.items() if n not in parts}
+                products = {n: w for n, w in products.items() if (i, n) not in native.linears}
+            tensors += list(products.values()) if native is not None else lw.products()
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-        return total
+        return total + sum(k.nbytes for k in kernels.values())
 
     # ------------------------------------------------------------------ forward
     def forward(self, cache: KVCache, tokens: Tensor, positions: Tensor, start: int,
@@ -372,7 +395,8 @@ class Transformer:
         if logits_rows is not None:
             x, delta = x[logits_rows], None if delta is None else delta[logits_rows]
         _, h = self._residual_norm(x, delta, self.norm)  # [N, D]
-        logits = plan.head(h) if plan.head is not None else self._dense(plan)(h, self.lm_head)
+        head = plan.head if plan.head is not None else self.native.head if self.native is not None else None
+        logits = head(h) if head is not None else self._dense(plan)(h, self.lm_head)
         return logits.float()  # [N, V]
 
     def _residual_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -407,6 +431,8 @@ class Transformer:
     def _linear(self, i: int, name: str, x: Tensor, w: Tensor, plan: Plan) -> Tensor:
         b = self.layers[i].bias.get(name)
         fn = plan.linears.get((i, name)) if plan.linears else None
+        if fn is None and self.native is not None:
+            fn = self.native.linears.get((i, name))
         if fn is not None:
             y = fn(x)
             return y if b is None else y + b
@@ -417,8 +443,11 @@ class Transformer:
         """One product for the projections `parts` of layer i: the plan's fused kernel, else the target's own fused
         weight (where the layer has one and the plan replaces none of the parts), else None (one product each)."""
         fn = plan.fused.get((i, key)) if plan.fused else None
-        if fn is None and weight is not None and not any((i, n) in plan.linears for n in parts):
-            fn = functools.partial(self._dense(plan), w=weight)
+        if fn is None and not any((i, n) in plan.linears for n in parts):
+            if self.native is not None:  # the target's own fused kernel, else one product per part (None)
+                return self.native.fused.get((i, key))
+            if weight is not None:
+                fn = functools.partial(self._dense(plan), w=weight)
         return fn
 
     def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, kv: KvAccess, cos: Tensor,

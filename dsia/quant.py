@@ -119,9 +119,22 @@ class Int4Linear:
         scale = ((hi - lo) / 15).clamp(min=1e-6).to(act_dtype)  # min/max puts a GGUF Q4_1 block on its own grid
         zero = (lo + 8 * scale.float()).to(act_dtype)
         q = ((g - zero.float()[..., None]) / scale.float()[..., None] + 8).round().clamp(0, 15)  # [out, n_groups, G]
+        self._pack(q.reshape(out, n_in), scale, zero, group_size, act_dtype)
+
+    @classmethod
+    def from_codes(cls, q: Tensor, scale: Tensor, zero: Tensor, group_size: int,
+                   act_dtype: torch.dtype = torch.bfloat16) -> Int4Linear:
+        """The kernel of given codes q [out, in] in [0, 15] and scale, zero [out, n_groups] (w = (q - 8) scale +
+        zero; a GGUF Q4_0 / Q4_1 block as stored, its scales rounded to act_dtype)."""
+        k = cls.__new__(cls)
+        k._pack(q, scale.to(act_dtype), zero.to(act_dtype), group_size, act_dtype)
+        return k
+
+    def _pack(self, q: Tensor, scale: Tensor, zero: Tensor, group_size: int, act_dtype: torch.dtype) -> None:
+        assert int4_fits(*q.shape, group_size), (q.shape, group_size)
         self.group_size = group_size
         self.act_dtype = act_dtype
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out, n_in).to(torch.int32), 1)  # [out, in/2]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)  # [out, in/2]
         self.scales_and_zeros = torch.stack((scale, zero), dim=2).transpose(0, 1).contiguous()  # [n_groups, out, 2]
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -147,7 +160,22 @@ class Int8GroupLinear:
         assert int4_fits(out, n_in, group_size), (out, n_in, group_size)
         g = w.detach().float().reshape(out, n_in // group_size, group_size)  # [out, n_groups, G]
         d = (g.abs().amax(dim=2) / 127).clamp(min=1e-12).to(act_dtype)  # [out, n_groups]
-        q = (g / d.float()[..., None]).round().clamp(-127, 127).to(torch.int32) + 128  # [out, n_groups, G] in [1, 255]
+        q = (g / d.float()[..., None]).round().clamp(-127, 127)  # [out, n_groups, G]
+        self._pack(q.reshape(out, n_in), d, group_size, act_dtype)
+
+    @classmethod
+    def from_codes(cls, q: Tensor, d: Tensor, group_size: int,
+                   act_dtype: torch.dtype = torch.bfloat16) -> Int8GroupLinear:
+        """The kernel of given codes q [out, in] in [-128, 127] and scales d [out, n_groups] (w = q d; a GGUF Q8_0
+        block as stored, its scale rounded to act_dtype)."""
+        k = cls.__new__(cls)
+        k._pack(q, d.to(act_dtype), group_size, act_dtype)
+        return k
+
+    def _pack(self, q: Tensor, d: Tensor, group_size: int, act_dtype: torch.dtype) -> None:
+        out, n_in = q.shape
+        assert int4_fits(out, n_in, group_size), (q.shape, group_size)
+        q = q.to(torch.int32).reshape(out, n_in // group_size, group_size) + 128  # [out, n_groups, G] in [0, 255]
         nibbles = torch.cat((q >> 4, q & 15), dim=1).reshape(out, 2 * n_in)  # [out, 2*in]: hi planes, then lo planes
         self.group_size = group_size
         self.act_dtype = act_dtype

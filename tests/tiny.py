@@ -96,16 +96,20 @@ def joint_chi2_p(obs, joint) -> float:
 
 
 def tiny_gguf(path, seed: int = 0, dim: int = 16, layers: int = 2, heads: int = 2, kv_heads: int = 1,
-              block_count: int | None = None):
+              block_count: int | None = None, qtype: str = "F32", pad_vocab: int = 0):
     """A tiny float32 Llama GGUF (tied head) with a byte-level BPE vocabulary (the 256 byte symbols, one merge
     'a b', then <s> and </s>), written with gguf's GGUFWriter: a few tens of KB that dequantize in well under a
     second. block_count: the layer count its header claims (default: `layers`, the layers it holds). Returns
-    `path`."""
+    `path`. qtype: the GGML type its matrices are stored in (F32, Q4_0, Q4_1, Q8_0; the token embedding, tied head,
+    in Q8_0 when quantized); pad_vocab: unused tokens appended to the vocabulary (so that it fits a packed kernel)."""
     import numpy as np
     from gguf import GGUFWriter, TokenType
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    tokens = list(bytes_to_unicode().values()) + ["ab", "<s>", "</s>"]
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    tokens = list(bytes_to_unicode().values()) + ["ab"] + [f"<pad{i}>" for i in range(pad_vocab)] + ["<s>", "</s>"]
     vocab, ffn, kv_dim = len(tokens), 2 * dim, kv_heads * (dim // heads)
     w = GGUFWriter(str(path), "llama")
     w.add_block_count(layers if block_count is None else block_count)
@@ -135,7 +139,13 @@ def tiny_gguf(path, seed: int = 0, dim: int = 16, layers: int = 2, heads: int = 
                    f"blk.{i}.ffn_down.weight": (dim, ffn)}
     for name, shape in shapes.items():
         norm = len(shape) == 1
-        w.add_tensor(name, (rng.uniform(0.7, 1.3, shape) if norm else rng.normal(0, 0.2, shape)).astype(np.float32))
+        data = (rng.uniform(0.7, 1.3, shape) if norm else rng.normal(0, 0.2, shape)).astype(np.float32)
+        kind = "F32" if norm else "Q8_0" if name == "token_embd.weight" and qtype != "F32" else qtype
+        if kind == "F32":
+            w.add_tensor(name, data)
+        else:
+            t = GGMLQuantizationType[kind]
+            w.add_tensor(name, quantize(data, t), raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,143 @@
+"""`--weights native`: a quantized GGUF target run in its stored quantization instead of dequantized to float.
+
+Each projection stored as Q4_0, Q4_1 or Q8_0 keeps its 4-bit / 8-bit codes as they are in the file and runs through
+torch's packed int4 CPU kernel (dsia.quant: Int4Linear for Q4_0 / Q4_1, Int8GroupLinear's two 4-bit planes for
+Q8_0), its per-block scales rounded to bfloat16 (what the kernel holds) and the activations multiplied in bfloat16;
+q|k|v and gate|up run as one kernel each where their types agree. F32 / F16 / BF16 tensors stay dense; any other
+type (the K-quants, IQ) is refused with one line. The head is the file's `output` tensor, or the embedding where
+the head is tied. The result is a Plan of kernels that `Transformer.with_native` makes the target's own: every
+method verifies against it, and every level is a plan over it (what a level does not replace runs natively).
+
+The dense float32 weights the loader dequantized from the same file stay loaded: the blocks are matched to them
+row for row (which also undoes llama.cpp's reordering of the q/k rows for RoPE), and levels that build from
+weights (a quantized copy, a sparse gather) read them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dsia.errors import CasspecError
+from dsia.model import Transformer
+from dsia.plan import Plan
+from dsia.quant import FUSED_GROUPS, FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
+
+WEIGHTS = ("float", "native")  # what --weights takes
+BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # run by packed kernels
+DENSE_TYPES = ("F32", "F16", "BF16")  # left to the dense products
+PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
+               "ffn_down": "down"}  # GGUF tensor name in a block -> the runtime's projection name
+
+
+def decode_blocks(kind: str, data: np.ndarray) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One tensor's raw blocks [out, bytes per row] -> (codes [out, in] int32, d [out, n_blocks] float32, m [out,
+    n_blocks] float32 or None): w = d q + m (Q4_1), d (q - 8) (Q4_0, codes in [0, 15]), d q (Q8_0, codes in
+    [-128, 127])."""
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]  # bytes per block: fp16 d (and m), then the codes
+    out = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(out, -1, size)  # [out, n_blocks, size]
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [out, n_blocks]
+    m = None
+    if kind == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.int32))  # [out, n_blocks, 32]
+    else:
+        if kind == "Q4_1":
+            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        qs = torch.from_numpy(blocks[..., size - 16:].astype(np.int32))  # [out, n_blocks, 16]
+        q = torch.cat((qs & 15, qs >> 4), dim=-1)  # element j in the low nibble of byte j, j + 16 in the high
+    return q.reshape(out, -1), d, m
+
+
+def dequantize(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
+    """The float32 weight [out, in] of decoded blocks, as llama.cpp (and the loader) computes it."""
+    g = q.reshape(q.shape[0], -1, BLOCK).float()  # [out, n_blocks, 32]
+    if kind == "Q4_0":
+        g = g - 8
+    w = g * d[..., None] + (m[..., None] if m is not None else 0)
+    return w.reshape(q.shape[0], -1)
+
+
+def kernel(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> QuantLinear:
+    """The packed kernel of decoded blocks (Int4Linear: w = (q - 8) scale + zero)."""
+    if kind == "Q8_0":
+        return Int8GroupLinear.from_codes(q, d, BLOCK)
+    zero = m + 8 * d if m is not None else torch.zeros_like(d)
+    return Int4Linear.from_codes(q, d, zero, BLOCK)
+
+
+def _row_order(native: Tensor, dense: Tensor, name: str) -> Tensor:
+    """perm with native[perm] == dense exactly (llama.cpp stores the q/k rows reordered for its RoPE)."""
+    if torch.equal(native, dense):
+        return torch.arange(dense.shape[0])
+    native, dense = native + 0.0, dense + 0.0  # -0.0 -> 0.0: rows are compared by their bytes
+    index = {row.numpy().tobytes(): i for i, row in enumerate(native)}
+    perm = [index.get(row.numpy().tobytes()) for row in dense]
+    if any(p is None for p in perm):
+        raise CasspecError(f"the GGUF tensor {name} does not match the weights loaded from it: --weights native "
+                           "cannot map it; use --weights float")
+    return torch.tensor(perm)
+
+
+def native_plan(gguf: Path, model: Transformer) -> Plan:
+    """The target's kernels from the GGUF's stored blocks (module docstring); the model holds the dense weights
+    loaded from the same file."""
+    from gguf import GGUFReader
+
+    if model.device.type != "cpu":
+        raise CasspecError("--weights native runs torch's packed CPU kernels: use --device cpu (or --weights float)")
+    reader = GGUFReader(str(gguf))
+    tensors = {t.name: t for t in reader.tensors}
+    stored = {}  # (layer, projection) or "head" -> (kind, q, d, m) in the runtime's row order
+    targets = {(i, p): w for i, lw in enumerate(model.layers) for p, w in
+               dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down).items()}
+    names = {f"blk.{i}.{g}.weight": (i, p) for (i, p) in targets for g, pp in PROJECTIONS.items() if pp == p}
+    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    names[head_name] = "head"
+    targets["head"] = model.lm_head
+    for name, key in names.items():
+        t = tensors.get(name)
+        if t is None:
+            raise CasspecError(f"{gguf} has no tensor {name}: --weights native needs every projection; use "
+                               "--weights float")
+        kind = t.tensor_type.name
+        if kind in DENSE_TYPES:
+            continue
+        if kind not in NATIVE_TYPES:
+            raise CasspecError(f"--weights native runs {', '.join(NATIVE_TYPES)} tensors, and {name} is {kind}: "
+                               "use --weights float (dequantized)")
+        q, d, m = decode_blocks(kind, t.data)
+        dense = targets[key].float().cpu()
+        if q.shape != dense.shape:
+            raise CasspecError(f"the GGUF tensor {name} has shape {tuple(q.shape)} where the model has "
+                               f"{tuple(dense.shape)}: use --weights float")
+        perm = _row_order(dequantize(kind, q, d, m), dense, name)
+        stored[key] = (kind, q[perm], d[perm], None if m is None else m[perm])
+    linears, fused = {}, {}
+    for i in range(model.spec.n_layers):
+        for group, parts in FUSED_GROUPS.items():
+            blocks = [stored.get((i, p)) for p in parts]
+            if all(b is not None for b in blocks) and len({b[0] for b in blocks}) == 1 and all(
+                    (b[3] is None) == (blocks[0][3] is None) for b in blocks):
+                kind = blocks[0][0]
+                cat = [torch.cat([b[j] for b in blocks]) for j in (1, 2)]
+                m = torch.cat([b[3] for b in blocks]) if blocks[0][3] is not None else None
+                if int4_fits(cat[0].shape[0], cat[0].shape[1], BLOCK):
+                    fused[(i, group)] = FusedLinear(kernel(kind, cat[0], cat[1], m), [b[1].shape[0] for b in blocks])
+                    continue
+            for p in parts:
+                _add(linears, (i, p), stored.get((i, p)))
+        _add(linears, (i, "o"), stored.get((i, "o")))
+        _add(linears, (i, "down"), stored.get((i, "down")))
+    head = {}
+    _add(head, "head", stored.get("head"))
+    return Plan(linears=linears, fused=fused, head=head.get("head"))
+
+
+def _add(into: dict, key, block: tuple | None) -> None:
+    """A kernel for one projection's decoded blocks where the kernel takes its shape (else it stays dense)."""
+    if block is not None and int4_fits(block[1].shape[0], block[1].shape[1], BLOCK):
+        into[key] = kernel(*block)

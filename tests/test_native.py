@@ -1,0 +1,117 @@
+"""`--weights native` (casspec/native.py): a Q4_0 / Q4_1 / Q8_0 GGUF run in its stored quantization. The blocks
+decode as llama.cpp's (gguf-py's) dequantization, the kernels multiply what is stored, and every method is lossless
+relative to the native target: greedy tokens equal native `ar`'s."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from casspec.engine import Engine
+from casspec.native import decode_blocks, dequantize, kernel
+from casspec.request import Request
+from dsia.errors import CasspecError
+from tiny import tiny_gguf
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+METHODS = ("pld", "sd", "tree", "vc", "hc", "dytc")
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_blocks_decode_as_gguf_dequantizes_them(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(0).normal(0, 0.3, (48, 96)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType[kind])
+    q, d, m = decode_blocks(kind, raw)
+    ref = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[kind]))
+    assert torch.equal(dequantize(kind, q, d, m), ref)
+    lo, hi = (-128, 127) if kind == "Q8_0" else (0, 15)
+    assert q.shape == (48, 96) and lo <= int(q.min()) and int(q.max()) <= hi
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_kernel_multiplies_the_stored_codes(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(1).normal(0, 0.3, (32, 64)).astype(np.float32)
+    q, d, m = decode_blocks(kind, quantize(w, GGMLQuantizationType[kind]))
+    x = torch.randn(5, 64)
+    bf = lambda t: t.bfloat16().float()  # noqa: E731  (the kernel holds its scales, and multiplies, in bf16)
+    if kind == "Q8_0":
+        ref_w = (q.reshape(32, -1, 32).float() * bf(d)[..., None]).reshape(32, 64)
+    else:
+        zero = bf(m + 8 * d) if m is not None else torch.zeros_like(d)
+        ref_w = ((q.reshape(32, -1, 32).float() - 8) * bf(d)[..., None] + zero[..., None]).reshape(32, 64)
+    y = kernel(kind, q, d, m)(x)
+    ref = bf(x) @ ref_w.T
+    torch.testing.assert_close(y, ref, rtol=0, atol=2 ** -8 * ref.abs().max().item())
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def engines(request, tmp_path_factory):
+    """(native, float) engines over one tiny quantized GGUF (every matrix fits the kernels)."""
+    path = tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf", seed=3, dim=64, layers=2,
+                     heads=2, kv_heads=1, qtype=request.param, pad_vocab=13)
+    kw = dict(autoprofile=False, keep_state=False, kernels="blas")
+    return Engine.from_pretrained(str(path), weights="native", **kw), Engine.from_pretrained(str(path), **kw)
+
+
+def test_native_runs_the_stored_blocks_and_reads_fewer_bytes(engines):
+    native, dense = engines
+    nat = native.model.native
+    assert nat is not None and len(nat.fused) == 4 and nat.head is not None  # q|k|v, gate|up per layer; the head
+    assert "native weights" in native.build and dense.model.native is None
+    assert native.model.weight_bytes() < dense.model.weight_bytes() / 3
+    # the native target is the file's weights up to its kernel's bf16 scales and activations: close logits
+    ids = [5, 6, 7, 8, 9]
+    a = native.extend_prefix(ids)
+    native.cache.rollback(0)
+    b = dense.extend_prefix(ids)
+    dense.cache.rollback(0)
+    assert torch.nn.functional.cosine_similarity(a, b).item() > 0.999
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(3, 60), min_size=2, max_size=12), method=st.sampled_from(METHODS))
+def test_every_method_gives_native_ars_tokens(engines, prompt, method):
+    native, _ = engines
+    prompt = prompt + prompt[:4]  # a repeat, so that the lookups find something
+    ref = native.generate_ids(prompt, Request(max_new_tokens=20, method="ar")).token_ids
+    got = native.generate_ids(prompt, Request(max_new_tokens=20, method=method))
+    assert got.token_ids == ref
+    if method not in ("pld", "dytc"):  # (a lookup may find nothing; dytc may verify the root alone, its levels
+        assert got.stats.tree_nodes > 0  # costing about what this target does): the levels' drafts were verified
+
+
+def test_native_needs_a_gguf_file(tmp_path):
+    from tiny import tiny_model, tiny_tokenizer
+
+    folder = tmp_path / "hf"
+    tiny_model().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    with pytest.raises(CasspecError, match="--weights native runs a quantized GGUF file"):
+        Engine.from_pretrained(str(folder), weights="native", autoprofile=False, keep_state=False)
+    with pytest.raises(CasspecError, match="unknown weights 'q4'"):
+        Engine.from_pretrained(str(folder), weights="q4", autoprofile=False, keep_state=False)
+
+
+def test_an_unsupported_block_type_is_one_clear_line(tmp_path):
+    path = tiny_gguf(tmp_path / "k.gguf", dim=64, layers=1, heads=2, kv_heads=1, qtype="Q5_0", pad_vocab=13)
+    with pytest.raises(CasspecError, match=r"--weights native runs Q4_0, Q4_1, Q8_0 tensors, and blk\.0\.\w+\.weight "
+                                           r"is Q5_0: use --weights float"):
+        Engine.from_pretrained(str(path), weights="native", autoprofile=False, keep_state=False)
+
+
+def test_cli_generate_native(tmp_path, capsys):
+    from casspec.cli import main
+
+    path = tiny_gguf(tmp_path / "q.gguf", dim=64, layers=2, heads=2, kv_heads=1, qtype="Q4_1", pad_vocab=13)
+    argv = ["generate", "ab ab", "--model", str(path), "--no-chat", "--max-new-tokens", "6", "--no-autoprofile"]
+    assert main(argv + ["--weights", "native", "--method", "ar"]) == 0
+    ar = capsys.readouterr().out
+    assert main(argv + ["--weights", "native", "--method", "dytc"]) == 0
+    assert capsys.readouterr().out == ar

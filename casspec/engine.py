@@ -64,7 +64,7 @@ class Engine:
         written by the previous generation's forwards, whose float32 results differ from one prefill's in the last
         bits, as a tree verification's differ from a one-token step's.
         weights: "float" runs the checkpoint's weights in the model's dtype (a quantized GGUF dequantized), "native"
-        a Q4_0 / Q4_1 / Q8_0 GGUF in its stored quantization (casspec/native.py; CPU).
+        a Q4_0 / Q4_1 / Q8_0 GGUF in its stored quantization (casspec/native.py; CPU; its forwards batch-invariant).
         batch_invariant: each row of a target forward computed alike whatever the rows around it
         (dsia/invariant.py), so that every method's greedy tokens are `ar`'s in bfloat16 too (bfloat16 on a CPU; its
         forwards run eagerly)."""
@@ -88,6 +88,9 @@ class Engine:
             model = model.with_fused_projections()
         dense, self.kernels = kernels_for(model, kernels)
         model = model.with_dense(dense)
+        # a native target's forwards are batch-invariant always: its kernels take bfloat16 activations, which would
+        # round a verification's last-bit differences from a one-token step (the attention's) into larger ones
+        batch_invariant = batch_invariant or native
         if batch_invariant:
             if graphs or compile_pointwise:
                 raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "

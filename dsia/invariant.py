@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -35,9 +36,11 @@ from .kernels import DenseFn
 BLOCK = 64  # key positions per block: the fixed unit of every attention reduction in the mode
 
 
-def check_supported(dtype: torch.dtype, device: torch.device) -> None:
-    """The mode's invariance is that of oneDNN's bfloat16 CPU kernels (what the tests check)."""
-    if dtype != torch.bfloat16 or device.type != "cpu":
+def check_supported(dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
+    """The mode's invariance is that of oneDNN's bfloat16 CPU kernels (what the tests check); a native quantized
+    target (float32 around packed int4 kernels, whose bfloat16 activations would round the attention's last-bit
+    differences into larger ones) takes it in float32 too."""
+    if device.type != "cpu" or (dtype != torch.bfloat16 and not (native and dtype == torch.float32)):
         raise CasspecError("batch-invariant forwards are implemented for bfloat16 on a CPU (in float32 every method "
                            "already gives ar's tokens, see the README); use --dtype bfloat16 --device cpu")
 
@@ -46,9 +49,16 @@ TORCH_OWN_MACS = 16 ** 3  # torch computes a bf16 product of at most this many m
 # together) with kernels of its own, a larger one with oneDNN's (aten/src/ATen/native/mkldnn/Matmul.cpp, checksize)
 
 
-def min_rows(batch: int, inner: int, cols: int) -> int:
-    """The fewest rows a product of `batch` matrices [rows, inner] @ [inner, cols] runs over in the mode: two (a
-    one-row product is oneDNN's matrix-vector kernel), and enough for torch to hand it to oneDNN."""
+FP32_MIN_ROWS = 3  # in float32 (MKL's sgemm) a product over one or two rows sums otherwise than over three or more
+# (measured on the Intel Xeon: from three rows on, every row's result was the same whatever the count)
+
+
+def min_rows(batch: int, inner: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The fewest rows a product of `batch` matrices [rows, inner] @ [inner, cols] runs over in the mode: in
+    bfloat16 two (a one-row product is oneDNN's matrix-vector kernel), and enough for torch to hand it to oneDNN;
+    in float32 FP32_MIN_ROWS."""
+    if dtype == torch.float32:
+        return FP32_MIN_ROWS
     return max(2, TORCH_OWN_MACS // max(1, batch * inner * cols) + 1)
 
 
@@ -62,13 +72,13 @@ def _pad_rows(a: Tensor, rows: int) -> Tensor:
 
 def invariant_linear(dense: DenseFn, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """dense(x, w, b) for x [T, in], w [out, in], over `min_rows` rows at least (the padding dropped): [T, out]."""
-    return dense(_pad_rows(x, min_rows(1, w.shape[1], w.shape[0])), w, b)[:x.shape[0]]
+    return dense(_pad_rows(x, min_rows(1, w.shape[1], w.shape[0], x.dtype)), w, b)[:x.shape[0]]
 
 
 def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     """a [..., M, K] @ b [..., K, N] over `min_rows` rows at least: [..., M, N]."""
     M, K = a.shape[-2:]
-    return (_pad_rows(a, min_rows(a.numel() // (M * K), K, b.shape[-1])) @ b)[..., :M, :]
+    return (_pad_rows(a, min_rows(a.numel() // (M * K), K, b.shape[-1], a.dtype)) @ b)[..., :M, :]
 
 
 PROBE_ROWS = (1, 2, 3, 5, 8, 16)  # row counts the self-check compares
@@ -76,10 +86,11 @@ PROBE_ROWS = (1, 2, 3, 5, 8, 16)  # row counts the self-check compares
 
 @torch.inference_mode()
 def rows_independent(dense: DenseFn, shapes: set[tuple[int, int]], hd: int, dtype: torch.dtype,
-                     device: torch.device) -> bool:
-    """The mode's premise on this machine: `invariant_linear` over each (in, out) product shape, and the attention's
-    block products (head size hd), give every row what it gets alone, whatever the row count. An observation of the
-    kernels (oneDNN's), not their promise, so `Transformer.with_batch_invariant` checks it where it runs."""
+                     device: torch.device, kernels: tuple[tuple[Callable[[Tensor], Tensor], int], ...] = ()) -> bool:
+    """The mode's premise on this machine: `invariant_linear` over each (in, out) product shape, the attention's
+    block products (head size hd) and the given kernels ((x [T, in] -> [T, out], in): a native target's), give every
+    row what it gets alone, whatever the row count. An observation of the kernels (oneDNN's), not their promise, so
+    `Transformer.with_batch_invariant` checks it where it runs."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> Tensor:
@@ -87,6 +98,7 @@ def rows_independent(dense: DenseFn, shapes: set[tuple[int, int]], hd: int, dtyp
 
     cases = [(functools.partial(invariant_linear, dense), rand(n_out, n_in)) for n_in, n_out in sorted(shapes)]
     cases += [(invariant_matmul, rand(BLOCK, hd).t()), (invariant_matmul, rand(BLOCK, hd))]  # q @ k.T, p @ v
+    cases += [(lambda x, w, k=k: k(x), rand(1, n_in)) for k, n_in in kernels]  # (w: only its in-features count)
     R = max(PROBE_ROWS)
     for fn, w in cases:
         x = rand(R, w.shape[1] if fn is not invariant_matmul else w.shape[0])  # [R, inner]

@@ -278,8 +278,14 @@ class Transformer:
     def with_batch_invariant(self) -> "Transformer":
         """The same model, each row of a target forward computed alike whatever the rows around it (dsia/invariant.py):
         a tree verification's logits are then bit for bit those of `ar`'s one-token steps. bfloat16 on a CPU."""
-        check_supported(self.dtype, self.device)
-        if not rows_independent(self.dense, self.product_shapes(), self.spec.head_dim, self.dtype, self.device):
+        check_supported(self.dtype, self.device, native=self.native is not None)
+        kernels = () if self.native is None else tuple(
+            {id(k): (k, w.shape[1]) for k, w in self._native_products()}.values())
+        shapes = self.product_shapes() if self.native is None else self._dense_shapes()
+        if not rows_independent(self.dense, shapes, self.spec.head_dim, self.dtype, self.device, kernels):
+            if self.native is not None:
+                raise CasspecError("a native target's forwards rest on this machine's kernels giving each row the "
+                                   "same result whatever the row count, and here they do not: use --weights float")
             raise CasspecError("batch-invariant forwards rest on this machine's bfloat16 kernels giving each row the "
                                "same result whatever the row count, and here they do not: run without "
                                "--batch-invariant")
@@ -291,11 +297,26 @@ class Transformer:
         """The same model, its products run by `native`'s kernels (linears, fused, head) wherever a plan does not
         replace them: the checkpoint in its stored quantization is then the target, and each level a plan over it.
         The dense weights stay for what is built from them (a level's quantized copy, a sparse gather)."""
-        if self.batch_invariant:
-            raise CasspecError("native quantized weights and batch-invariant forwards do not combine: use one")
         other = copy.copy(self)
         other.native = native
         return other
+
+    def _dense_shapes(self) -> set[tuple[int, int]]:
+        """(in, out) of the target's products its native kernels do not run (the first layer's and the head)."""
+        nat, lw = self.native, self.layers[0]
+        covered = {n for g, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))) if (0, g) in nat.fused
+                   for n in parts} | {n for (i, n) in nat.linears if i == 0}
+        weights = dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down)
+        shapes = {(w.shape[1], w.shape[0]) for n, w in weights.items() if n not in covered}
+        return shapes | ({(self.lm_head.shape[1], self.lm_head.shape[0])} if nat.head is None else set())
+
+    def _native_products(self) -> list[tuple[Callable[[Tensor], Tensor], Tensor]]:
+        """(kernel, a dense weight of its input width) of each native product of the first layer and the head."""
+        nat, lw = self.native, self.layers[0]
+        out = [(nat.fused[(0, g)], w) for g, w in (("qkv", lw.wq), ("gate_up", lw.w_gate)) if (0, g) in nat.fused]
+        out += [(k, dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down)[n])
+                for (i, n), k in nat.linears.items() if i == 0]
+        return out + ([(nat.head, self.lm_head)] if nat.head is not None else [])
 
     def with_pointwise(self, pointwise: Pointwise) -> "Transformer":
         """The same weights, the elementwise steps run by `pointwise`."""

@@ -227,4 +227,6 @@ def levels_plane(engine: Engine, key: dict, measure_now: bool, cfg: PlaneConfig 
             obj = dict(measure(engine, cfg, progress), key=key)
             write_json(path, obj)
             plane = from_json(obj, cfg)
+            # the candidates not chosen hold copies of the weights (bf16: half of them): free them
+            engine.levels.drop(n for n in obj["levels"] if n not in plane.chosen)
     return plane

@@ -13,7 +13,7 @@ STRATEGIES; parsing, naming, errors and the Level below are generic over it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 from torch import Tensor
 
@@ -171,3 +171,11 @@ class LevelRegistry:
         if config.name not in self.levels:
             self.levels[config.name] = Level(config, self.resources)
         return self.levels[config.name]
+
+    def drop(self, names: Iterable[str]) -> None:
+        """Forget these levels and what only they held (a quantized copy no remaining level shares), so that its
+        memory is freed; a later `get` builds them again (or reads them back from the store)."""
+        for name in names:
+            self.levels.pop(LevelConfig.parse(name, self.strategies).name, None)
+        kept = {id(o) for lv in self.levels.values() for o in lv.holds}
+        self.resources.built = {k: o for k, o in self.resources.built.items() if id(o) in kept}

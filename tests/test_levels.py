@@ -252,3 +252,18 @@ def test_skip_search_beats_contiguous_skip():
     contiguous = score_window(m, cache, hist, 40, skip_plan(contiguous_skips(8, search.count)))[0]
     assert found > contiguous
     assert found >= 0.85
+
+
+def test_drop_frees_what_only_the_dropped_levels_held():
+    from dsia.quant import QuantSwitch
+
+    reg = LevelRegistry(Transformer.from_hf(tiny_model("llama", seed=1, vocab=112, dim=64, layers=2)))
+    int4, mix, int8 = reg.get("int4"), reg.get("int4+vocab"), reg.get("int8")
+    copy4, copy8 = int4.switch(QuantSwitch).q, int8.switch(QuantSwitch).q
+    assert mix.switch(QuantSwitch).q is copy4  # one int4 copy serves both
+    built = lambda: {id(o) for o in reg.resources.built.values()}  # noqa: E731
+    reg.drop(["int8"])
+    assert set(reg.levels) == {"int4", "int4+vocab"} and id(copy8) not in built() and id(copy4) in built()
+    reg.drop(["int4"])  # int4+vocab still holds the int4 copy
+    assert set(reg.levels) == {"int4+vocab"} and id(copy4) in built()
+    assert reg.get("int8").switch(QuantSwitch).q is not copy8  # built again on the next use

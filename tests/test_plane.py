@@ -82,8 +82,8 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def small_plane(monkeypatch):
-    """A quick plane (two candidates, short answers), counting its measurements."""
-    cfg = PlaneConfig(candidates=("int8", "int4+vocab"), max_new_tokens=12, repeats=2)
+    """A quick plane (three candidates, short answers), counting its measurements."""
+    cfg = PlaneConfig(candidates=("int8", "int4+vocab", "bf16"), max_new_tokens=12, repeats=2)
     monkeypatch.setattr(plane_mod, "PlaneConfig", lambda: cfg)
     from casspec import engine as engine_mod
     monkeypatch.setattr(engine_mod, "PlaneConfig", lambda: cfg)
@@ -104,8 +104,12 @@ def test_first_use_measures_caches_and_chooses(cache, small_plane, monkeypatch):
     from casspec import engine as engine_mod
     monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key: None)
     e = tiny_engine(autoprofile=True)
-    assert small_plane == [("int8", "int4+vocab")]
-    assert e.plane is not None and {r.name for r in e.plane.ranked} == {"int8", "int4+vocab"}
+    assert small_plane == [("int8", "int4+vocab", "bf16")]
+    assert e.plane is not None and {r.name for r in e.plane.ranked} == {"int8", "int4+vocab", "bf16"}
+    # the candidate not chosen is dropped with the copy only it held
+    assert set(e.levels.levels) == set(e.plane.chosen) and len(e.plane.chosen) == 2
+    held = {id(o) for lv in e.levels.levels.values() for o in lv.holds}
+    assert {id(o) for o in e.levels.resources.built.values()} <= held  # (a level may hold more of its own)
     for r in e.plane.ranked:
         assert r.cost_ratio > 0 and 0.0 <= r.agreement <= 1.0 and r.speedup >= 1.0
     assert e.plane.verify_ratio > 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,12 +23,13 @@ from dytc.sampling import SamplingParams
 from .loading import cache_root, file_sha256
 from .usercache import locked
 
+if TYPE_CHECKING:  # (bench imports this module)
+    from .bench import TurnFn
+
 LCPP_METHODS = ("lcpp-ar", "lcpp-ar-f32")  # the stored file / its F32 dequantization
 INSTALL = ('pip install llama-cpp-python (it builds llama.cpp from source; on AVX512 CPUs set CMAKE_ARGS as in the '
            'README\'s "llama.cpp as a baseline")')
 LLAMA_FTYPE_ALL_F32 = 0  # llama.cpp's llama_ftype for an all-F32 file
-
-TurnFn = Callable[[list[int], int], tuple[list[int], int, dict]]
 
 
 def llama_cpp():

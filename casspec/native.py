@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from dsia.errors import CasspecError
-from dsia.model import Transformer
+from dsia.model import FUSED_GROUPS, Transformer
 from dsia.plan import Plan
-from dsia.quant import FUSED_GROUPS, FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
+from dsia.quant import FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
 
 WEIGHTS = ("float", "native")  # what --weights takes
 BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0
@@ -92,12 +92,10 @@ def native_plan(gguf: Path, model: Transformer) -> Plan:
     reader = GGUFReader(str(gguf))
     tensors = {t.name: t for t in reader.tensors}
     stored = {}  # (layer, projection) or "head" -> (kind, q, d, m) in the runtime's row order
-    targets = {(i, p): w for i, lw in enumerate(model.layers) for p, w in
-               dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down).items()}
-    names = {f"blk.{i}.{g}.weight": (i, p) for (i, p) in targets for g, pp in PROJECTIONS.items() if pp == p}
-    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    names[head_name] = "head"
+    targets = {(i, p): w for i, lw in enumerate(model.layers) for p, w in lw.projections().items()}
     targets["head"] = model.lm_head
+    names = {f"blk.{i}.{g}.weight": (i, p) for i in range(model.spec.n_layers) for g, p in PROJECTIONS.items()}
+    names["output.weight" if "output.weight" in tensors else "token_embd.weight"] = "head"
     for name, key in names.items():
         t = tensors.get(name)
         if t is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -77,7 +77,6 @@ class Plane:
     verify_tokens: int
     top: int = 2
     created: str = ""  # when it was measured
-    levels: dict = field(default_factory=dict)  # the measured rows, as stored
 
     @property
     def chosen(self) -> tuple[str, ...]:
@@ -134,7 +133,7 @@ def from_json(obj: dict, cfg: PlaneConfig = PlaneConfig()) -> Plane:
     levels = {n: {"cost_ratio": float(r["cost_ratio"]), "agreement": float(r["agreement"])}
               for n, r in obj["levels"].items()}
     vr, vt = float(obj["verify_ratio"]), int(obj["verify_tokens"])
-    return Plane(rank(levels, vr, vt, cfg.max_k), vr, vt, cfg.top, str(obj.get("created", "")), obj["levels"])
+    return Plane(rank(levels, vr, vt, cfg.max_k), vr, vt, cfg.top, str(obj.get("created", "")))
 
 
 def plane_key(profile_key: dict, cfg: PlaneConfig) -> dict:
@@ -228,5 +227,5 @@ def levels_plane(engine: Engine, key: dict, measure_now: bool, cfg: PlaneConfig 
             write_json(path, obj)
             plane = from_json(obj, cfg)
             # the candidates not chosen hold copies of the weights (bf16: half of them): free them
-            engine.levels.drop(n for n in obj["levels"] if n not in plane.chosen)
+            engine.levels.drop(r.name for r in plane.ranked if r.name not in plane.chosen)
     return plane

@@ -30,6 +30,7 @@ SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE scalings whose frequencies are fixed at load (the runtime copies the HF model's inv_freq and attention
 # scaling once); "dynamic" and "longrope" change them with the sequence length, so they are refused
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # projections sharing one input
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,10 @@ class LayerWeights:
         w_gate, w_up = w_gate_up.split([self.w_gate.shape[0], self.w_up.shape[0]])
         return dataclasses.replace(self, wq=wq, wk=wk, wv=wv, w_gate=w_gate, w_up=w_up, wqkv=wqkv,
                                    w_gate_up=w_gate_up)
+
+    def projections(self) -> dict[str, Tensor]:
+        """Each projection's weight by name (q, k, v, o, gate, up, down), [out, in] each."""
+        return dict(q=self.wq, k=self.wk, v=self.wv, o=self.wo, gate=self.w_gate, up=self.w_up, down=self.w_down)
 
     def products(self) -> list[Tensor]:
         """The weights the target's forward multiplies, each once (the fused ones in place of their parts)."""
@@ -301,21 +306,23 @@ class Transformer:
         other.native = native
         return other
 
+    def _native_parts(self, i: int) -> set[str]:
+        """The projections of layer i the native kernels run (fused or one by one)."""
+        nat = self.native
+        return ({n for g, parts in FUSED_GROUPS.items() if (i, g) in nat.fused for n in parts}
+                | {n for (j, n) in nat.linears if j == i})
+
     def _dense_shapes(self) -> set[tuple[int, int]]:
         """(in, out) of the target's products its native kernels do not run (the first layer's and the head)."""
-        nat, lw = self.native, self.layers[0]
-        covered = {n for g, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))) if (0, g) in nat.fused
-                   for n in parts} | {n for (i, n) in nat.linears if i == 0}
-        weights = dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down)
-        shapes = {(w.shape[1], w.shape[0]) for n, w in weights.items() if n not in covered}
-        return shapes | ({(self.lm_head.shape[1], self.lm_head.shape[0])} if nat.head is None else set())
+        covered = self._native_parts(0)
+        shapes = {(w.shape[1], w.shape[0]) for n, w in self.layers[0].projections().items() if n not in covered}
+        return shapes | ({(self.lm_head.shape[1], self.lm_head.shape[0])} if self.native.head is None else set())
 
     def _native_products(self) -> list[tuple[Callable[[Tensor], Tensor], Tensor]]:
         """(kernel, a dense weight of its input width) of each native product of the first layer and the head."""
-        nat, lw = self.native, self.layers[0]
-        out = [(nat.fused[(0, g)], w) for g, w in (("qkv", lw.wq), ("gate_up", lw.w_gate)) if (0, g) in nat.fused]
-        out += [(k, dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down)[n])
-                for (i, n), k in nat.linears.items() if i == 0]
+        nat, weights = self.native, self.layers[0].projections()
+        out = [(k, weights[FUSED_GROUPS[g][0]]) for (i, g), k in nat.fused.items() if i == 0]
+        out += [(k, weights[n]) for (i, n), k in nat.linears.items() if i == 0]
         return out + ([(nat.head, self.lm_head)] if nat.head is not None else [])
 
     def with_pointwise(self, pointwise: Pointwise) -> "Transformer":
@@ -342,13 +349,11 @@ class Transformer:
         for i, lw in enumerate(self.layers):
             norms = [t for t in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm) if t is not None]
             tensors += norms + list(lw.bias.values())
-            products = dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down)
-            if native is not None:  # what the native kernels run is counted once, as their bytes, below
-                for key, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
-                    if (i, key) in native.fused:
-                        products = {n: w for n, w in products.items() if n not in parts}
-                products = {n: w for n, w in products.items() if (i, n) not in native.linears}
-            tensors += list(products.values()) if native is not None else lw.products()
+            if native is None:
+                tensors += lw.products()
+            else:  # what the native kernels run is counted once, as their bytes, below
+                covered = self._native_parts(i)
+                tensors += [w for n, w in lw.projections().items() if n not in covered]
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -475,7 +480,7 @@ class Transformer:
                    sin: Tensor, plan: Plan) -> Tensor:
         s = self.spec
         T = x.shape[0]
-        qkv = self._fused(i, "qkv", lw.wqkv, ("q", "k", "v"), plan)
+        qkv = self._fused(i, "qkv", lw.wqkv, FUSED_GROUPS["qkv"], plan)
         if qkv is not None and lw.q_norm is None and not lw.bias:  # one kernel, one RoPE call for q and k
             qk, v = qkv(x).split([(s.n_heads + s.n_kv_heads) * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
             qk = qk.reshape(T, s.n_heads + s.n_kv_heads, s.head_dim).transpose(0, 1)  # [H + Hkv, T, hd]
@@ -532,7 +537,7 @@ class Transformer:
         return self._linear(i, "o", o, lw.wo, plan)
 
     def _mlp(self, i: int, lw: LayerWeights, x: Tensor, plan: Plan) -> Tensor:
-        gate_up = self._fused(i, "gate_up", lw.w_gate_up, ("gate", "up"), plan)
+        gate_up = self._fused(i, "gate_up", lw.w_gate_up, FUSED_GROUPS["gate_up"], plan)
         if gate_up is not None:
             gate, up = gate_up(x).chunk(2, dim=-1)  # [T, I] each
         else:

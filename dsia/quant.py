@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CasspecError
-from .model import Transformer
+from .model import FUSED_GROUPS, Transformer
 from .plan import HeadFn, LinearFn, Plan
 from .strategy import HasBytes, Resources, Strategy, Switch
 
@@ -324,7 +324,6 @@ def quantize_weight(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear:
 
 
 # ---------------------------------------------------------------------------------------------- whole model
-FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # projections sharing one input
 
 
 @dataclass
@@ -340,11 +339,6 @@ class QuantizedLinears:
         return Plan(linears=self.linears, fused=self.fused, head=self.head, **kw)
 
 
-def _projection_weights(model: Transformer, i: int) -> dict[str, Tensor]:
-    lw = model.layers[i]
-    return dict(q=lw.wq, k=lw.wk, v=lw.wv, o=lw.wo, gate=lw.w_gate, up=lw.w_up, down=lw.w_down)
-
-
 @torch.no_grad()
 def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int] | None = None,
                      include_head: bool = True) -> QuantizedLinears:
@@ -358,7 +352,7 @@ def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int]
     idx = range(model.spec.n_layers) if layers is None else sorted(set(layers))
     q = QuantizedLinears(linears={}, head=None, nbytes=0)
     for i in idx:
-        weights = _projection_weights(model, i)
+        weights = model.layers[i].projections()
         groups = list(FUSED_GROUPS.items()) if cfg.fuse else []
         for gname, names in groups:
             ws = [weights.pop(n) for n in names]

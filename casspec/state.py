@@ -21,7 +21,7 @@ from .autoprofile import profile_key
 from .loading import cache_root
 from .usercache import digest, read_json, write_json
 
-STATE_VERSION = 1  # bump when the layout of the file changes: older files are then ignored
+STATE_VERSION = 2  # bump when the layout of the file changes: older files are then ignored (2: latency anchors)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,12 @@ and what the router needs is relative accuracy, so each point is weighted by (re
 mean measured ms), i.e. the fit minimises squared relative error. The prior hyperparameters (noise and weight
 precisions) come from scikit-learn's `BayesianRidge` (evidence maximisation) on standardised features; the
 posterior (precision matrix P, vector b: mean = P^-1 b) is kept explicitly, so it serialises as plain JSON and
-refines online by a recursive Bayesian update with exponential forgetting (`observe`, same weighting).
+refines online by a recursive Bayesian update with exponential forgetting (`observe`, same weighting). Forgetting
+decays the online data back to an anchor, a small share of the profile's own posterior (`OnlineConfig.anchor`),
+not to nothing: where the timings seen while decoding say nothing (a level observed only over one token says
+nothing of the slope in T), the profile's shape stays, however long the engine runs; where they do, they
+dominate. Observations are absorbed in one batch update when a prediction next needs them (the router times
+several forwards per step and asks once).
 Prediction: mean = z . m, variance = (mean / ref)^2 / alpha + z^T P^-1 z.
 
 Profiles (JSON files written by `casspec profile`) are matched to the machine, model and dtype by
@@ -61,11 +66,15 @@ class FeatureSpec:
         """[F] raw features of one forward (the intercept is added after scaling)."""
         return self.feature_rows(np.array([tokens]), context, tree)[0]
 
-    def feature_rows(self, tokens: np.ndarray, context: int, tree: bool = False) -> np.ndarray:
-        """[K, F] raw features of K forwards, over tokens[k] [K] tokens each, at one context."""
+    def feature_rows(self, tokens: np.ndarray, context: int | np.ndarray,
+                     tree: bool | np.ndarray = False) -> np.ndarray:
+        """[K, F] raw features of K forwards, over tokens[k] [K] tokens each, at one context and shape (or at
+        context[k], tree[k] each)."""
         t = np.asarray(tokens, dtype=np.float64)[:, None]  # [K, 1]
-        roof = np.concatenate([t * self.gflop_per_token, np.full_like(t, context * self.kv_mb_per_token),
-                               t * context * self.attn_mflop_per_pair, t * float(tree)], axis=1)  # [K, 4]
+        c = np.broadcast_to(np.asarray(context, dtype=np.float64).reshape(-1, 1), t.shape)  # [K, 1]
+        tr = np.asarray(tree, dtype=np.float64).reshape(-1, 1)  # [K | 1, 1]
+        roof = np.concatenate([t * self.gflop_per_token, c * self.kv_mb_per_token,
+                               t * c * self.attn_mflop_per_pair, t * tr], axis=1)  # [K, 4]
         hinges = np.maximum(0.0, t - np.asarray(KNOTS, dtype=np.float64))  # [K, knots]
         return np.concatenate([roof, hinges], axis=1)
 
@@ -85,9 +94,10 @@ class OnlineConfig:
     prior_alpha: float = 1.0  # noise precision (1/ms^2) of a level with no profile
     prior_lambda: float = 1e-3  # weight precision of a level with no profile
     intercept_precision: float = 1e-6  # prior precision of the intercept (nearly flat)
+    anchor: float = 0.05  # share of a profile's evidence that forgetting keeps (the anchor); 0 = decay to the prior
 
 
-ARRAYS = ("mu", "sd", "prior", "P", "b")  # LevelFit's arrays (float64; plain lists in JSON)
+ARRAYS = ("mu", "sd", "prior", "P", "b", "anchor_P", "anchor_b")  # LevelFit's arrays (float64; lists in JSON)
 
 
 @dataclass(eq=False)
@@ -102,13 +112,22 @@ class LevelFit:
     n: int = 0  # observations absorbed (profile points + online)
     weight_bytes: int | None = None  # bytes of weights the level reads per forward, for reference
     ref_ms: float | None = None  # points weigh (ref_ms / ms)^2 (relative-error fit); None = unweighted
+    anchor_P: np.ndarray | None = None  # [F+1, F+1] what forgetting decays P back to (`anchor_to`; None: not set yet)
+    anchor_b: np.ndarray | None = None  # [F+1] likewise for b
 
     def __post_init__(self) -> None:
         for name in ARRAYS:  # (from JSON: lists)
-            setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
+            if getattr(self, name) is not None:
+                setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
+
+    def anchor_to(self, share: float) -> None:
+        """Make the anchor the prior plus `share` of the evidence P and b hold now (a profile's fit)."""
+        prior = np.diag(self.prior)
+        self.anchor_P = prior + share * (self.P - prior)
+        self.anchor_b = share * self.b
 
     def to_json(self) -> dict:
-        return {k: v.tolist() if k in ARRAYS else v for k, v in vars(self).items()}
+        return {k: v.tolist() if k in ARRAYS and v is not None else v for k, v in vars(self).items()}
 
     def weight(self, ms: float) -> float:
         return 1.0 if self.ref_ms is None else (self.ref_ms / max(ms, 1e-6)) ** 2
@@ -130,14 +149,18 @@ class LevelFit:
         var = noise + np.einsum("nf,fn->n", z, np.linalg.solve(P, z.T))
         return mean, np.sqrt(np.maximum(var, 0.0))
 
-    def update(self, x: np.ndarray, ms: float, forget: float) -> None:
-        """Recursive Bayesian update with one observation; older data decays by `forget`."""
-        z = self.design(x[None])[0]
-        prior = np.diag(self.prior)
-        w = self.alpha * self.weight(ms)
-        self.P = prior + forget * (self.P - prior) + w * np.outer(z, z)
-        self.b = forget * self.b + w * ms * z
-        self.n += 1
+    def update(self, x: np.ndarray, ms: np.ndarray, forget: float) -> None:
+        """Recursive Bayesian update with K observations, raw features x [K, F] and ms [K], in order; at each one
+        the data beyond the anchor decays by `forget` (the K updates in one: observation i is scaled by
+        forget^(K - 1 - i), the anchor's complement by forget^K)."""
+        assert self.anchor_P is not None and self.anchor_b is not None, "anchor_to() before updating"
+        z = self.design(x)  # [K, F+1]
+        k = len(ms)
+        c = self.alpha * np.array([self.weight(m) for m in ms]) * forget ** np.arange(k - 1, -1, -1)  # [K]
+        decay = forget ** k
+        self.P = self.anchor_P + decay * (self.P - self.anchor_P) + (z * c[:, None]).T @ z
+        self.b = self.anchor_b + decay * (self.b - self.anchor_b) + z.T @ (c * ms)
+        self.n += k
 
 
 def fit_level(spec: FeatureSpec, points: list[Point], cfg: OnlineConfig = OnlineConfig()) -> LevelFit:
@@ -164,6 +187,7 @@ def fit_level(spec: FeatureSpec, points: list[Point], cfg: OnlineConfig = Online
     fit.P = np.diag(prior) + fit.alpha * (z * w[:, None]).T @ z
     fit.b = fit.alpha * z.T @ (w * y)
     fit.n = len(points)
+    fit.anchor_to(cfg.anchor)
     return fit
 
 
@@ -175,8 +199,10 @@ def empty_level(spec: FeatureSpec, cfg: OnlineConfig = OnlineConfig()) -> LevelF
     sd = x.std(0)
     sd[sd < 1e-12] = 1.0
     prior = [cfg.intercept_precision] + [cfg.prior_lambda] * x.shape[1]
-    return LevelFit(mu=x.mean(0), sd=sd, alpha=cfg.prior_alpha, prior=prior, P=np.diag(prior),
-                    b=np.zeros(x.shape[1] + 1))
+    fit = LevelFit(mu=x.mean(0), sd=sd, alpha=cfg.prior_alpha, prior=prior, P=np.diag(prior),
+                   b=np.zeros(x.shape[1] + 1))
+    fit.anchor_to(0.0)  # nothing measured: forgetting decays to the prior
+    return fit
 
 
 @dataclass
@@ -186,6 +212,13 @@ class LatencyModel:
     online: OnlineConfig = OnlineConfig()
     _weights: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)  # level -> posterior
     # mean weights (a solve), until its next observation
+    _pending: dict[str, list[tuple[int, int, bool, float]]] = field(default_factory=dict, repr=False, compare=False)
+    # level -> observations (tokens, context, tree, ms) not absorbed yet
+
+    def __post_init__(self) -> None:
+        for fit in self.levels.values():  # a profile's fit read back from JSON without its anchor (older files)
+            if fit.anchor_P is None or fit.anchor_b is None:
+                fit.anchor_to(self.online.anchor)
 
     @staticmethod
     def fit(spec: FeatureSpec, points: list[Point], online: OnlineConfig = OnlineConfig(),
@@ -200,6 +233,7 @@ class LatencyModel:
         return model
 
     def known(self, level: str) -> bool:
+        self._absorb(level)
         return level in self.levels and self.levels[level].n > 0
 
     def predict_ms(self, level: str, tokens: int, context: int, tree: bool = False) -> tuple[float, float]:
@@ -226,14 +260,25 @@ class LatencyModel:
         return ratio, abs(ratio) * math.hypot(ls / max(abs(lm), 1e-9), ts / max(abs(tm), 1e-9))
 
     def observe(self, level: str, tokens: int, context: int, ms: float, tree: bool = False) -> None:
-        """Absorb a timing measured while decoding (a level with no profile starts from a weak prior)."""
+        """Absorb a timing measured while decoding (a level with no profile starts from a weak prior); it takes
+        effect when a prediction of the level next needs it."""
         if level not in self.levels:
             self.levels[level] = empty_level(self.spec, self.online)
-        self._weights.pop(level, None)
-        self.levels[level].update(self.spec.features(tokens, context, tree), ms, self.online.forget)
+        self._pending.setdefault(level, []).append((tokens, context, tree, ms))
+
+    def _absorb(self, level: str) -> None:
+        """Apply the level's pending observations (one batch update)."""
+        pending = self._pending.pop(level, None)
+        if pending:
+            self._weights.pop(level, None)
+            tokens, context, tree, ms = (np.array(col) for col in zip(*pending))  # [K] each
+            self.levels[level].update(self.spec.feature_rows(tokens, context, tree), ms.astype(np.float64),
+                                      self.online.forget)
 
     # ------------------------------------------------------------------ plain JSON
     def to_json(self) -> dict:
+        for level in list(self._pending):
+            self._absorb(level)
         return {"features": self.spec.names(), "spec": vars(self.spec), "online": vars(self.online),
                 "levels": {name: fit.to_json() for name, fit in self.levels.items()}}
 

@@ -223,7 +223,7 @@ class DyTC(Policy):
                        max_depth: int) -> Iterator[Action]:
         """Each level extending node n by k tokens (module docstring): from its known distribution at n (no
         forward), or at a leaf by a forward over the pending path, optionally reviewing a lookup's proposal."""
-        node, N = step.nodes[n], len(step.tree)
+        node, N, verify_ms = step.nodes[n], len(step.tree), step.verify_ms
         limit = min(self.cfg.lookahead, n_max - N, max_depth - node.depth)
         for name in self.levels:
             cost_ms, accept = step.level_ms[name], self.tracker.mean(name)
@@ -235,18 +235,24 @@ class DyTC(Policy):
             else:
                 continue
             for review, reviewed, first_tokens, first_accept, first_cost in variants:
-                # the best segment length k (one Action per variant: the router's own time stays small)
+                # the best segment length k (one Action per variant: the router's own time stays small). The
+                # segment's expected tokens t = first_tokens + k - 1 grow by one a step, so geometric(accept, t)
+                # grows by accept^(int(t) + 1) (1 - f + f accept), f the fraction of t (a multiple of accept each)
                 best_rate, best_k = 0.0, 0
                 scale = node.p * first_accept / accept
+                geo = geometric(accept, first_tokens)
+                frac = first_tokens - int(first_tokens)
+                grow = accept ** (int(first_tokens) + 1) * (1 - frac + frac * accept)
+                spent = step.spent + first_cost - cost_ms[1]  # (the k-th token's forward added below)
                 for k in range(1, limit + 1):
                     tokens = first_tokens + k - 1  # expected tokens of the segment
                     if tokens > limit:
                         break
-                    gain = scale * geometric(accept, tokens)
-                    cost = first_cost + (k - 1) * cost_ms[1]
-                    rate = (expected + gain) / (step.spent + cost + step.verify_ms[N + int(round(tokens))])
+                    rate = (expected + scale * geo) / (spent + k * cost_ms[1] + verify_ms[N + int(round(tokens))])
                     if rate > best_rate:
                         best_rate, best_k = rate, k
+                    geo += grow
+                    grow *= accept
                 if best_k:
                     yield Action(best_rate, n, name, best_k, review, reviewed)
 

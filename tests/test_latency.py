@@ -1,6 +1,7 @@
 """Latency predictor: JSON round trip, online refinement, profile selection, held-out MAPE, the profiler."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,3 +129,36 @@ def test_random_weight_shapes_for_profiling():
         e.encode("hello")
     with pytest.raises(CasspecError, match="unknown random-weight shape"):
         load("random:gpt-9")
+
+
+def test_observations_absorbed_in_one_batch_equal_one_by_one():
+    rng = np.random.default_rng(0)
+    obs = [(int(T), int(C), bool(tree), float(ms)) for T, C, tree, ms in
+           zip(rng.integers(1, 33, 40), rng.integers(64, 2048, 40), rng.integers(0, 2, 40), rng.uniform(8, 80, 40))]
+    batched, single = LatencyModel.fit(SPEC, synthetic()), LatencyModel.fit(SPEC, synthetic())
+    for T, C, tree, ms in obs:
+        batched.observe(TARGET_LEVEL, T, C, ms, tree)
+        single.observe(TARGET_LEVEL, T, C, ms, tree)
+        single.predict_ms(TARGET_LEVEL, 1, 128)  # absorbs each observation on its own
+    for T, C in ((1, 128), (8, 700), (32, 1500)):
+        assert batched.predict_ms(TARGET_LEVEL, T, C)[0] == pytest.approx(single.predict_ms(TARGET_LEVEL, T, C)[0],
+                                                                          rel=1e-9)
+    assert batched.levels[TARGET_LEVEL].n == single.levels[TARGET_LEVEL].n == len(synthetic()) + len(obs)
+
+
+def test_forgetting_keeps_the_profiles_shape_where_decoding_never_looks():
+    """A level the router runs over one token only, thousands of times (a long-lived engine, or the state kept
+    between calls), used to forget its profile entirely, leaving its cost over more tokens to whatever the
+    one-token timings implied (once predicted below zero). Forgetting now decays to the profile's anchor: the
+    one-token timings move the level, the profile's slope in T stays."""
+    model = LatencyModel.fit(SPEC, synthetic("int4+vocab", 0.5))
+    assert model.online.anchor > 0
+    rng = np.random.default_rng(1)
+    one, sixteen = (model.predict_ms("int4+vocab", T, 300, True)[0] for T in (1, 16))
+    for _ in range(2000):  # 10% slower than profiled, with noise
+        model.observe("int4+vocab", 1, int(rng.integers(100, 500)), 1.1 * one * float(rng.uniform(0.9, 1.1)), True)
+    after_one, after_sixteen = (model.predict_ms("int4+vocab", T, 300, True)[0] for T in (1, 16))
+    assert after_one == pytest.approx(1.1 * one, rel=0.03)  # the timings seen are learned
+    assert after_sixteen - after_one == pytest.approx(sixteen - one, rel=0.15)  # the slope in T is kept
+    back = LatencyModel.from_json(json.loads(json.dumps(model.to_json())))  # the anchor travels with the state
+    assert np.array_equal(back.levels["int4+vocab"].anchor_P, model.levels["int4+vocab"].anchor_P)

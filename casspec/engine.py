@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from dsia.errors import CasspecError
@@ -448,7 +449,8 @@ class Engine:
         """What the latency model expects the verification of `tree` to take (0 before it knows the target)."""
         if not self.latency.known(TARGET_LEVEL):
             return 0.0
-        return self.latency.predict_ms(TARGET_LEVEL, len(tree), self.cache.length, not is_chain(tree.parents))[0]
+        return float(self.latency.predict_mean(TARGET_LEVEL, np.array([len(tree)]), self.cache.length,
+                                               not is_chain(tree.parents))[0])  # (no uncertainty: no solve)
 
     # sampling runs on the CPU (a few [N, V] rows per step). Deterministic drafts (ar, pld, sd, tree, vc, tree+vc, hc,
     # vc+hc, dytc) are checked against position-owned Gumbel noise (dytc.verify.verify_coupled): a seed then gives the

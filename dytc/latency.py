@@ -243,14 +243,16 @@ class LatencyModel:
         mean, std = self.levels[level].predict(self.spec.features(tokens, context, tree)[None])
         return float(mean[0]), float(std[0])
 
-    def predict_mean(self, level: str, tokens: np.ndarray, context: int, tree: bool = False) -> np.ndarray:
-        """Mean ms [K] for each token count in tokens [K] at one context (vectorised; no uncertainty)."""
+    def predict_mean(self, level: str, tokens: np.ndarray, context: int, tree: bool = False,
+                     rows: np.ndarray | None = None) -> np.ndarray:
+        """Mean ms [K] for each token count in tokens [K] at one context (vectorised; no uncertainty). rows: their
+        raw features, where the caller has them already (`spec.feature_rows(tokens, context, tree)`)."""
         if not self.known(level):
             raise KeyError(f"no latency data for level {level!r}: profile it or observe() its timings first")
         fit, w = self.levels[level], self._weights.get(level)
         if w is None:
             w = self._weights[level] = fit.mean_weights()
-        return fit.design(self.spec.feature_rows(tokens, context, tree)) @ w
+        return fit.design(self.spec.feature_rows(tokens, context, tree) if rows is None else rows) @ w
 
     def cost_ratio(self, level: str, tokens: int, context: int, tree: bool = False) -> tuple[float, float]:
         """(ratio, std) of the level's forward vs the target's 1-token step at the same context (delta method)."""

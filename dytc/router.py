@@ -42,6 +42,7 @@ learning. Sampling: every drafted token is deterministic (q one-hot); the engine
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -140,8 +141,9 @@ class DyTC(Policy):
         if self.cfg.constant_cost is not None:  # ablation: no predictor; costs in units of one target step
             flat = np.concatenate([[0.0], np.full(n_max, self.cfg.constant_cost)])
             return np.concatenate([[0.0], np.ones(n_max)]), {name: flat for name in self.levels}
+        rows = latency.spec.feature_rows(T, context, True) if latency is not None else None  # [n_max, F] shared
         if latency is not None and latency.known(TARGET_LEVEL):
-            v = latency.predict_mean(TARGET_LEVEL, T, context, tree=True)
+            v = latency.predict_mean(TARGET_LEVEL, T, context, tree=True, rows=rows)
             v[0] = latency.predict_mean(TARGET_LEVEL, T[:1], context, tree=False)[0]
         else:  # nothing measured yet: a flat guess, replaced after the first verification
             v = GUESS_VERIFY_MS[0] + GUESS_VERIFY_MS[1] * (T - 1)
@@ -149,7 +151,7 @@ class DyTC(Policy):
         level_ms = {}
         for name in self.levels:
             if latency is not None and latency.known(name):
-                c = latency.predict_mean(name, T, context, tree=True)
+                c = latency.predict_mean(name, T, context, tree=True, rows=rows)
             else:  # not profiled and not run yet: a share of a target step, until its first forward is timed
                 c = GUESS_LEVEL_SHARE * verify_ms[T]
             level_ms[name] = np.concatenate([[0.0], np.maximum(c, MIN_MS)])
@@ -244,11 +246,9 @@ class DyTC(Policy):
                 frac = first_tokens - int(first_tokens)
                 grow = accept ** (int(first_tokens) + 1) * (1 - frac + frac * accept)
                 spent = step.spent + first_cost - cost_ms[1]  # (the k-th token's forward added below)
-                for k in range(1, limit + 1):
-                    tokens = first_tokens + k - 1  # expected tokens of the segment
-                    if tokens > limit:
-                        break
-                    rate = (expected + scale * geo) / (spent + k * cost_ms[1] + verify_ms[N + int(round(tokens))])
+                nodes = N + int(round(first_tokens)) - 1  # tree size after the segment, less k
+                for k in range(1, min(limit, math.floor(limit - first_tokens) + 1) + 1):  # t = first + k - 1 <= limit
+                    rate = (expected + scale * geo) / (spent + k * cost_ms[1] + verify_ms[nodes + k])
                     if rate > best_rate:
                         best_rate, best_k = rate, k
                     geo += grow

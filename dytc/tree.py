@@ -60,12 +60,15 @@ class DraftTree:
 def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> Tensor:
     """[N, N] bool: mask[i, j] = j is i or an ancestor of i. Parents must precede children."""
     n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
+    rows = [[False] * n for _ in range(n)]  # (built in Python, one tensor at the end: a step builds several)
+    for i in range(min(n, 1)):
+        rows[i][i] = True
     for i in range(1, n):
         p = parents[i]
         assert 0 <= p < i, "parents must precede children"
-        mask[i] |= mask[p]
-    return mask.to(device)
+        rows[i][:i] = rows[p][:i]
+        rows[i][i] = True
+    return torch.tensor(rows, dtype=torch.bool, device=device).reshape(n, n)
 
 
 def depths(parents: list[int]) -> list[int]:

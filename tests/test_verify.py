@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from casspec.engine import Request
 from dytc.router import RouterConfig
 from dytc.sampling import NUCLEUS_CANDIDATES, SamplingParams, _outside_nucleus, warp
-from dytc.tree import DraftTree
+from dytc.tree import DraftTree, ancestor_mask, depths
 from dytc.verify import verify_greedy, verify_sampling
 from tiny import ARCHS, KERNELS, chi2_p, joint_chi2_p, tiny_engine
 
@@ -215,3 +215,15 @@ def test_blocked_top_k_equals_torch_topk():
         values, idx = top_k(x, k)
         ref = x.topk(k, dim=-1)
         assert torch.equal(values, ref.values) and torch.equal(idx, ref.indices)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 10 ** 6), min_size=0, max_size=40))
+def test_ancestor_mask_marks_each_nodes_path_from_the_root(picks):
+    parents = [-1] + [pick % (i + 1) for i, pick in enumerate(picks)]  # any tree, parents before children
+    tree = DraftTree(list(range(len(parents))), parents)
+    mask = ancestor_mask(parents)
+    assert mask.dtype == torch.bool and mask.shape == (len(parents), len(parents))
+    for i in range(len(parents)):
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(tree.path_to(i))
+    assert mask.sum(1).tolist() == [d + 1 for d in depths(parents)]

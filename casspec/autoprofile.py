@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsia.levels import LEVELS_VERSION
 from dytc.latency import PROFILE_VERSION, read_predictor
 
 from .loading import cache_root
@@ -31,7 +32,7 @@ def profile_key(machine: dict, model: str, dtype: str, kernels: str = "") -> dic
     on a GPU its graphs, compiled steps and fused projections)."""
     return {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
             "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype,
-            "kernels": kernels}
+            "kernels": kernels, "levels": LEVELS_VERSION}
 
 
 def profile_path(key: dict) -> Path:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 PLANE_VERSION = 1  # bumped when what a plane file holds changes (older files are measured again)
-# the candidates on a CPU: the quantized bodies with the int8g head (int4 with the reduced vocabulary too) and the
+# the candidates on a CPU: the quantized bodies with the int4r head (int4 with the reduced vocabulary too) and the
 # bfloat16 copy; skip, exit and sparsity levels drafted far less exactly there (`casspec levels`, README)
 CPU_CANDIDATES = ("int4", "int4+vocab", "int8", "w8a8", "bf16")
 # generic prompts, none from any benchmark: a prose answer and a code answer, as chat users ask

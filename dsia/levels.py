@@ -37,6 +37,9 @@ STRATEGIES: tuple[type[Strategy], ...] = (
     Sparse,  # sparseS: activation-sparse MLPs (sparsity.py)
     Vocab,  # vocab: reduced-vocabulary head (vocab.py)
 )
+# bumped when what the levels compute changes (2: the quantized levels' int4r head), so that what was measured of
+# them on a machine (latency profiles, levels planes, the state generations keep) is measured again
+LEVELS_VERSION = 2
 
 S = TypeVar("S", bound=Switch)
 

@@ -32,10 +32,11 @@ from torch import Tensor
 from dsia.kvcache import KVCache
 from dsia.levels import Level
 from dsia.model import Transformer
+from dsia.topk import top_k
 
 from .latency import TARGET_LEVEL, LatencyModel
 from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, PromptLookup
-from .sampling import SamplingParams, sample, top_k, warp
+from .sampling import SamplingParams, sample, warp
 from .tree import DraftTree, ancestor_mask, position_ids
 from .verify import Noise
 

@@ -16,7 +16,6 @@ from dsia.errors import CasspecError
 
 GREEDY_BELOW = 1e-4  # temperatures below this are greedy decoding (the warp's limit as T -> 0 is the argmax;
 # far below it logits / T overflows)
-TOPK_BLOCK = 1024  # `top_k`: a row is cut into blocks this long; the top k lie in the k blocks with the largest maxima
 NUCLEUS_CANDIDATES = (256, 4096)  # top-p: the nucleus is looked for among this many most likely tokens, then
 # (rows whose nucleus is larger) this many (partial sorts, a fraction of a full one over a 50k vocabulary); a row
 # whose nucleus is larger still gets the full sort
@@ -58,21 +57,6 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
         probs = probs.masked_fill(_outside_nucleus(probs, params.top_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-def top_k(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """torch.topk(x, k) of rows x [T, V] for a small k (values, indices [T, k], largest first), about twice as fast
-    on a CPU over a 50k vocabulary: each of the k largest lies in a block whose maximum is among the k largest
-    block maxima, so one pass takes the blocks' maxima and the sort looks at k blocks only. (On a GPU, where its
-    five kernels would cost more than one, torch.topk itself.)"""
-    T, V = x.shape
-    if x.device.type != "cpu" or V % TOPK_BLOCK or k * TOPK_BLOCK >= V:
-        return x.topk(k, dim=-1)
-    blocks = x.reshape(T, V // TOPK_BLOCK, TOPK_BLOCK)  # [T, nb, B] (a view where x is contiguous)
-    best = blocks.amax(-1).topk(k, dim=-1).indices  # [T, k] the blocks holding the top k
-    cand = blocks.gather(1, best[:, :, None].expand(T, k, TOPK_BLOCK)).reshape(T, k * TOPK_BLOCK)  # [T, k*B]
-    values, at = cand.topk(k, dim=-1)  # [T, k]
-    return values, best.gather(1, at // TOPK_BLOCK) * TOPK_BLOCK + at % TOPK_BLOCK
 
 
 def _outside_nucleus(probs: Tensor, top_p: float) -> Tensor:

@@ -11,7 +11,8 @@ import torch
 from dsia import quant
 from dsia.errors import CasspecError
 from dsia.model import Transformer
-from dsia.quant import HEAD, HEAD_KINDS, KINDS, QuantConfig, quantize_linears, quantize_weight
+from dsia.quant import (HEAD, HEAD_KINDS, KINDS, SHORTLIST, QuantCodec, QuantConfig, RescoredHead, quantize_head,
+                        quantize_linears, quantize_weight)
 from tiny import tiny_model
 
 BNB_KINDS = ("nf4",)
@@ -29,7 +30,7 @@ def kind_param(kind: str):
 
 
 ALL_KINDS = [kind_param(k) for k in KINDS]  # body kinds
-KERNEL_KINDS = [kind_param(k) for k in HEAD_KINDS]  # and int8g, the head kernel of the quantized levels
+KERNEL_KINDS = [kind_param(k) for k in HEAD_KINDS if k != "int4r"]  # and int8g (int4r: test_rescored_head_...)
 
 
 def config(kind: str, **kw) -> QuantConfig:
@@ -216,8 +217,10 @@ def test_nbytes_counts_packed_weights_and_scales(model):
     int4 = lambda o, i: o * i // 2 + (i // 32) * o * 2 * 2  # noqa: E731  packed nibbles + bf16 (scale, zero)
     assert q4.nbytes == sum(int4(o, i) for o, i in mats) * s.n_layers + int4(s.vocab_size, s.dim)
     assert 0 < q4.nbytes < q8.nbytes < fp32 / 3
-    qg = quantize_linears(model, QuantConfig("int4"))  # default head: int8g, twice int4's planes
+    qg = quantize_linears(model, QuantConfig("int4", head_kind="int8g"))  # int8g head: twice int4's planes
     assert qg.nbytes == q4.nbytes + 2 * int4(s.vocab_size, s.dim) - int4(s.vocab_size, s.dim)
+    qr = quantize_linears(model, QuantConfig("int4"))  # default head: int4r, a 4-bit copy (the rows are the target's)
+    assert qr.nbytes == q4.nbytes
     if has_bnb():
         for kind in BNB_KINDS:
             assert 0 < quantize_linears(model, QuantConfig(kind, head_kind=None)).nbytes < fp32 / 3
@@ -305,3 +308,37 @@ def test_missing_bitsandbytes_says_how_to_install(model, monkeypatch):
             quantize_linears(model, QuantConfig(kind))
         assert "\n" not in str(e.value)
     assert quantize_linears(model, QuantConfig("int8")).nbytes > 0  # the torch kinds do not need it
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rescored_head_scores_its_shortlist_with_the_targets_rows(act_dtype):
+    """int4r: the 4-bit copy's logits, except each row's SHORTLIST best, which are the exact h @ w.T; the exact
+    argmax is among them (so the head ranks as the target's); stored without the rows, read back with them."""
+    torch.manual_seed(0)
+    V, D = 160 if SHORTLIST < 160 else 16 * SHORTLIST, 64
+    w = torch.randn(V, D) * 0.1  # [V, D] the target's head
+    h = torch.randn(6, D)  # [N, D]
+    cfg = QuantConfig("int4", act_dtype=act_dtype)
+    head = quantize_head(w, "int4r", cfg)
+    assert isinstance(head, RescoredHead) and head.kind == "int4r" and head.w is w and head.nbytes < w.numel()
+    out = head(h)  # [N, V]
+    coarse = ref_act(h, "int4", cfg) @ ref_dequant(w, "int4", cfg).T  # [N, V]
+    exact = h @ w.T
+    top = coarse.topk(SHORTLIST, dim=-1).indices  # [N, k]
+    listed = torch.zeros(6, V, dtype=torch.bool).scatter_(1, top, True)
+    torch.testing.assert_close(out[listed], exact[listed], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[~listed], coarse[~listed], rtol=1e-2, atol=1e-3)
+    assert torch.equal(out.argmax(-1), exact.argmax(-1))
+    # a level store keeps the 4-bit copy and the shortlist length; the rows come from the model again
+    m = Transformer.from_hf(tiny_model("llama", seed=3, vocab=112, dim=64, layers=1))
+    q = quantize_linears(m, QuantConfig("int4"))
+    assert isinstance(q.head, RescoredHead) and q.kinds[HEAD] == "int4r"
+    tensors, layout = QuantCodec(QuantConfig("int4")).encode(q)
+    assert not any(t.data_ptr() == m.lm_head.data_ptr() for t in tensors.values())
+    back = QuantCodec(QuantConfig("int4"), m.lm_head).decode(tensors, layout)
+    x = torch.randn(3, 64)
+    assert back.head.w is m.lm_head and torch.equal(back.head(x), q.head(x))
+    with pytest.raises(ValueError):
+        QuantCodec(QuantConfig("int4")).decode(tensors, layout)
+    # where the 4-bit kernel cannot take the head (out % 16), it falls back to int8g's choice
+    assert quantize_head(torch.randn(97, 64), "int4r", cfg).kind == "int8"

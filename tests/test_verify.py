@@ -204,15 +204,16 @@ def test_top_p_by_partial_sort_equals_the_full_sort(scale, top_p):
 
 
 def test_blocked_top_k_equals_torch_topk():
-    """dytc.sampling.top_k (the k best among the k blocks with the largest maxima) gives torch.topk's values and
-    indices, including rows whose best values share one block and rows with -inf outside a vocabulary subset."""
-    from dytc.sampling import TOPK_BLOCK, top_k
+    """dsia.topk.top_k (the k best among the k blocks with the largest maxima) gives torch.topk's values and
+    indices, including rows whose best values share one block and rows with -inf outside a vocabulary subset,
+    with the default block and a smaller one."""
+    from dsia.topk import TOPK_BLOCK, top_k
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 8 * TOPK_BLOCK, generator=g, dtype=torch.float64)
     x[1, 5 * TOPK_BLOCK + 3: 5 * TOPK_BLOCK + 9] = 50.0 + torch.arange(6.0, dtype=torch.float64)  # one block
     x[2, TOPK_BLOCK:] = float("-inf")
-    for k in (1, 4, 7):
-        values, idx = top_k(x, k)
+    for k, block in ((1, TOPK_BLOCK), (4, TOPK_BLOCK), (7, TOPK_BLOCK), (16, 128)):
+        values, idx = top_k(x, k, block)
         ref = x.topk(k, dim=-1)
         assert torch.equal(values, ref.values) and torch.equal(idx, ref.indices)
 

@@ -131,7 +131,9 @@ def check_stops(e: Engine, tokenizer, ids: list[int], data) -> None:
     for _ in range(data.draw(st.integers(0, 2)) if full else 0):
         i = data.draw(st.integers(0, len(full) - 1))
         stops.append(full[i:i + data.draw(st.integers(1, 6))])
-    stops = tuple(stops)
+    # (not a stop string holding U+FFFD: re-decoding shows an unfinished byte-fallback run as U+FFFD, replacing
+    # chars the stream settled before, which it keeps, as IncrementalDetokenizer documents; no writer's stop string)
+    stops = tuple(s for s in stops if "\ufffd" not in s) or ("a",)
     blocks = split(ids, data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
     pieces, res = stream(e, tokenizer, blocks, stops)
     text, n, stopped = redecoded(decoder(tokenizer), ids, stops)

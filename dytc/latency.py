@@ -40,6 +40,7 @@ import numpy as np
 from dsia.errors import warn
 
 TARGET_LEVEL = "target"  # the level name under which the target's own forward is profiled
+MIN_NOISE = 0.01  # the least relative noise a fitted level's timings are taken to carry (caps its noise precision)
 KNOTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # token counts where the latency's slope in T may change
 PROFILE_VERSION = 1
 
@@ -181,8 +182,10 @@ def fit_level(spec: FeatureSpec, points: list[Point], cfg: OnlineConfig = Online
     # a floor on the weights' precision: with few points the evidence can drive it to ~0, and a feature the grid
     # never varied (a zero column) would then leave the posterior precision singular
     prior = [cfg.intercept_precision] + [max(float(br.lambda_), cfg.intercept_precision)] * x.shape[1]
-    fit = LevelFit(mu=mu, sd=sd, alpha=float(br.alpha_), prior=prior, P=np.diag(prior), b=np.zeros(x.shape[1] + 1),
-                   ref_ms=ref)
+    # a noise floor: timings on a machine carry at least MIN_NOISE relative noise, however exactly the points fit (an
+    # unbounded precision from exact synthetic points made later online updates numerically singular)
+    alpha = min(float(br.alpha_), 1.0 / (MIN_NOISE * ref) ** 2)
+    fit = LevelFit(mu=mu, sd=sd, alpha=alpha, prior=prior, P=np.diag(prior), b=np.zeros(x.shape[1] + 1), ref_ms=ref)
     z = fit.design(x)
     fit.P = np.diag(prior) + fit.alpha * (z * w[:, None]).T @ z
     fit.b = fit.alpha * z.T @ (w * y)

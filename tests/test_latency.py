@@ -162,3 +162,17 @@ def test_forgetting_keeps_the_profiles_shape_where_decoding_never_looks():
     assert after_sixteen - after_one == pytest.approx(sixteen - one, rel=0.15)  # the slope in T is kept
     back = LatencyModel.from_json(json.loads(json.dumps(model.to_json())))  # the anchor travels with the state
     assert np.array_equal(back.levels["int4+vocab"].anchor_P, model.levels["int4+vocab"].anchor_P)
+
+
+def test_an_exact_fit_stays_solvable_after_online_updates():
+    """Points fitted exactly (synthetic) once gave an unbounded noise precision, and a few online timings far from
+    them then made the posterior precision numerically singular (a LinAlgError in the router); the noise floor
+    keeps it well conditioned."""
+    pts = [Point("int4", t, c, tree, 80.0 + 20.0 * (t - 1)) for t in (1, 2, 4, 8, 16, 32, 64) for c in (64, 128)
+           for tree in (False, True)]
+    model = LatencyModel.fit(SPEC, pts)
+    for ms in (0.5, 0.3, 2.0, 0.2, 0.1):
+        for T in (1, 2, 1, 3):
+            model.observe("int4", T, 70, ms, True)
+        assert 0.05 < model.predict_ms("int4", 1, 70, True)[0] < 2.5  # (from 80 ms: toward what it sees)
+        assert np.linalg.cond(model.levels["int4"].P) < 1e14

@@ -247,7 +247,7 @@ class DyTC(Policy):
                 grow = accept ** (int(first_tokens) + 1) * (1 - frac + frac * accept)
                 spent = step.spent + first_cost - cost_ms[1]  # (the k-th token's forward added below)
                 nodes = N + int(round(first_tokens)) - 1  # tree size after the segment, less k
-                for k in range(1, min(limit, math.floor(limit - first_tokens) + 1) + 1):  # t = first + k - 1 <= limit
+                for k in range(1, math.floor(limit - first_tokens) + 2):  # t = first + k - 1 <= limit (first >= 1)
                     rate = (expected + scale * geo) / (spent + k * cost_ms[1] + verify_ms[nodes + k])
                     if rate > best_rate:
                         best_rate, best_k = rate, k

@@ -61,12 +61,10 @@ def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> Ten
     """[N, N] bool: mask[i, j] = j is i or an ancestor of i. Parents must precede children."""
     n = len(parents)
     rows = [[False] * n for _ in range(n)]  # (built in Python, one tensor at the end: a step builds several)
-    for i in range(min(n, 1)):
-        rows[i][i] = True
-    for i in range(1, n):
-        p = parents[i]
-        assert 0 <= p < i, "parents must precede children"
-        rows[i][:i] = rows[p][:i]
+    for i, p in enumerate(parents):
+        if i:
+            assert 0 <= p < i, "parents must precede children"
+            rows[i][:i] = rows[p][:i]
         rows[i][i] = True
     return torch.tensor(rows, dtype=torch.bool, device=device).reshape(n, n)
 

@@ -36,7 +36,7 @@ from dsia.topk import top_k
 
 from .latency import TARGET_LEVEL, LatencyModel
 from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, PromptLookup
-from .sampling import SamplingParams, sample, warp
+from .sampling import SamplingParams, coupled_top, sample, warp
 from .tree import DraftTree, ancestor_mask, position_ids
 from .verify import Noise
 
@@ -96,10 +96,7 @@ class DraftContext:
             values, top_i = top_k(logits, k)  # [T, k]
             top = values[:, :1]  # [T, 1] each row's maximum
             return (values - top).exp() / (logits - top).exp().sum(-1, keepdim=True), top_i
-        scores = warp(logits.cpu(), self.sampling).log().double()  # [T, V] log q (-inf outside top-k / top-p)
-        scores += torch.stack([self.noise(p + 1) for p in positions])  # + g
-        top_s, top_i = top_k(scores, k)  # [T, k]
-        return (top_s - scores.logsumexp(-1, keepdim=True)).exp().float(), top_i
+        return coupled_top(logits.cpu(), self.sampling, torch.stack([self.noise(p + 1) for p in positions]), k)
 
     def commit(self, emitted: list[int]) -> None:
         """After verification: the emitted tokens join the history (the last one is the next root)."""

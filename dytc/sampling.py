@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from dsia.errors import CasspecError
+from dsia.topk import top_k
 
 
 GREEDY_BELOW = 1e-4  # temperatures below this are greedy decoding (the warp's limit as T -> 0 is the argmax;
@@ -19,6 +20,9 @@ GREEDY_BELOW = 1e-4  # temperatures below this are greedy decoding (the warp's l
 NUCLEUS_CANDIDATES = (256, 4096)  # top-p: the nucleus is looked for among this many most likely tokens, then
 # (rows whose nucleus is larger) this many (partial sorts, a fraction of a full one over a 50k vocabulary); a row
 # whose nucleus is larger still gets the full sort
+DRAFT_CANDIDATES = 64  # coupled drafting: a row's warp is computed over its this many most likely tokens wherever
+# they hold its whole support (top-k within them, or top-p's nucleus); other rows are warped whole
+CANDIDATES_BLOCK = 256  # `top_k`'s block when finding them (64 blocks of 256 hold them)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,48 @@ def _outside_nucleus(probs: Tensor, top_p: float) -> Tensor:
         if len(rows) == 0:
             break
     return ~keep
+
+
+def coupled_top(logits: Tensor, params: SamplingParams, noise: Tensor, k: int,
+                candidates: int = DRAFT_CANDIDATES) -> tuple[Tensor, Tensor]:
+    """A coupled draft's k best tokens: the top k of log warp(q) + g per row, and the softmax of those perturbed
+    scores at them (probabilities, float32), [T, k] each; logits [T, V] of the draft, noise g [T, V] float64.
+
+    The same tokens as `warp` over the whole row, but cheaper: where a row's warped support lies within its
+    `candidates` most likely tokens (top-k no wider than them, or a nucleus they reach), only they are warped and
+    perturbed; the other rows (a top-k wider than the candidates, or a wider nucleus: a sampled token often lies
+    further down there) are warped whole, and with temperature alone the logits / T are perturbed whole (log q up
+    to a constant per row). The target's own token is drawn with `warp` (dytc.verify); a draft only has to match
+    it, and does wherever the two perturbed argmaxes agree."""
+    T, V = logits.shape
+    z = logits.float() / params.temperature  # [T, V] log q up to a constant per row (no effect on either result)
+    if params.top_k == 0 and params.top_p == 1.0:  # temperature alone: every token in the support
+        return _perturbed_top(z.double() + noise, k)
+    if params.top_k > candidates or candidates >= V:
+        return _perturbed_top(warp(logits, params).log().double() + noise, k)
+    cz, ci = top_k(z, candidates, CANDIDATES_BLOCK)  # [T, M] descending
+    if 0 < params.top_k < candidates:
+        cz[:, params.top_k:] = float("-inf")
+    inside = torch.ones(T, dtype=torch.bool)  # [T] rows whose support lies within their candidates
+    if params.top_p < 1.0:
+        norm = cz.logsumexp(-1, keepdim=True) if params.top_k > 0 else z.logsumexp(-1, keepdim=True)  # [T, 1]
+        p = (cz - norm).exp()  # [T, M] warped probabilities before top-p
+        before = p.cumsum(-1) - p
+        if params.top_k == 0:  # (a top-k within the candidates holds the nucleus)
+            inside = before[:, -1] >= params.top_p
+        cz = cz.masked_fill(before >= params.top_p, float("-inf"))
+    probs, at = _perturbed_top(cz.double() + noise.gather(1, ci), k)  # [T, k]
+    tokens = ci.gather(1, at)
+    if not bool(inside.all()):  # a nucleus wider than the candidates: those rows warped whole
+        wide = (~inside).nonzero()[:, 0]
+        probs[wide], tokens[wide] = _perturbed_top(warp(logits[wide], params).log().double() + noise[wide], k)
+    return probs, tokens
+
+
+def _perturbed_top(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best of perturbed scores [T, n] (float64): their softmax probabilities (float32) and indices."""
+    top_s, top_i = top_k(scores, k)  # [T, k]
+    return (top_s - scores.logsumexp(-1, keepdim=True)).exp().float(), top_i
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:

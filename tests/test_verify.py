@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from casspec.engine import Request
 from dytc.router import RouterConfig
-from dytc.sampling import NUCLEUS_CANDIDATES, SamplingParams, _outside_nucleus, warp
+from dytc.sampling import DRAFT_CANDIDATES, NUCLEUS_CANDIDATES, SamplingParams, _outside_nucleus, coupled_top, warp
 from dytc.tree import DraftTree, ancestor_mask, depths
-from dytc.verify import verify_greedy, verify_sampling
+from dytc.verify import gumbel_noise, verify_greedy, verify_sampling
 from tiny import ARCHS, KERNELS, chi2_p, joint_chi2_p, tiny_engine
 
 V = 6  # tiny vocabulary for the distribution tests
@@ -201,6 +201,28 @@ def test_top_p_by_partial_sort_equals_the_full_sort(scale, top_p):
     assert torch.equal(_outside_nucleus(probs[:1], top_p), expected[:1])
     if scale < 0.5:  # the flat rows' nucleus is larger than every candidate set: the full sort ran for them
         assert (~expected).sum(-1).max() > NUCLEUS_CANDIDATES[-1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 0, 1.0),
+                                    SamplingParams(0.8, 20, 1.0), SamplingParams(1.0, 40, 0.8),
+                                    SamplingParams(0.9, 500, 0.95), SamplingParams(1.3, 0, 0.99)])
+def test_coupled_top_equals_the_whole_rows_warp(params):
+    """A coupled draft's top tokens and their probabilities, found among each row's DRAFT_CANDIDATES most likely
+    tokens where they hold the warped support, equal those of the whole row's warp perturbed by the same noise:
+    peaked rows (support within the candidates), flat ones (a nucleus wider: warped whole), one of each mixed."""
+    g = torch.Generator().manual_seed(int(params.temperature * 100 + params.top_k + params.top_p * 10))
+    V, k = 8192, 4
+    logits = torch.randn(6, V, generator=g) * torch.tensor([[9.0], [9.0], [6.0], [0.3], [9.0], [0.1]])
+    noise = torch.stack([gumbel_noise(3, p, V) for p in range(6)])  # [6, V]
+    scores = warp(logits, params).log().double() + noise
+    ref = scores.topk(k, dim=-1)
+    probs, tokens = coupled_top(logits, params, noise, k)
+    live = ref.values > float("-inf")  # (past the support every token scores -inf: any order)
+    assert torch.equal(tokens[live], ref.indices[live])
+    assert torch.allclose(probs, (ref.values - scores.logsumexp(-1, keepdim=True)).exp().float(), atol=1e-6)
+    narrow = (0 < params.top_k <= DRAFT_CANDIDATES) or (params.top_k == 0 and params.top_p < 1)
+    if narrow:  # the peaked rows' support lies within the candidates; the flat ones' may not
+        assert int((warp(logits[:1], params) > 0).sum()) <= DRAFT_CANDIDATES
 
 
 def test_blocked_top_k_equals_torch_topk():

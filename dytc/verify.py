@@ -96,8 +96,12 @@ class Noise:
 
 
 def coupled_sample(probs: Tensor, noise: Tensor) -> int:
-    """The Gumbel-max sample argmax(log p + g): distributed as p when g is fresh Gumbel noise."""
-    return int((probs.double().log() + noise).argmax())
+    """The Gumbel-max sample argmax(log p + g): distributed as p when g is fresh Gumbel noise. Where top-k or top-p
+    left few tokens, only they are scored (the same token: the others' log p is -inf)."""
+    support = None if bool(probs.min() > 0) else probs.nonzero()[:, 0]  # [S] ascending, as argmax breaks ties
+    if support is None or len(support) * 4 > len(probs):
+        return int((probs.double().log() + noise).argmax())
+    return int(support[(probs[support].double().log() + noise[support]).argmax()])
 
 
 def verify_coupled(tree: DraftTree, probs: Tensor, noise: Callable[[int], Tensor],

@@ -11,7 +11,7 @@ from casspec.engine import Request
 from dytc.router import RouterConfig
 from dytc.sampling import DRAFT_CANDIDATES, NUCLEUS_CANDIDATES, SamplingParams, _outside_nucleus, coupled_top, warp
 from dytc.tree import DraftTree, ancestor_mask, depths
-from dytc.verify import gumbel_noise, verify_greedy, verify_sampling
+from dytc.verify import coupled_sample, gumbel_noise, verify_greedy, verify_sampling
 from tiny import ARCHS, KERNELS, chi2_p, joint_chi2_p, tiny_engine
 
 V = 6  # tiny vocabulary for the distribution tests
@@ -223,6 +223,21 @@ def test_coupled_top_equals_the_whole_rows_warp(params):
     narrow = (0 < params.top_k <= DRAFT_CANDIDATES) or (params.top_k == 0 and params.top_p < 1)
     if narrow:  # the peaked rows' support lies within the candidates; the flat ones' may not
         assert int((warp(logits[:1], params) > 0).sum()) <= DRAFT_CANDIDATES
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 0, 1.0),
+                                    SamplingParams(1.0, 20, 1.0), SamplingParams(3.0, 0, 0.999)])
+def test_coupled_sample_over_the_support_equals_the_whole_row(params):
+    """The verifier's Gumbel-max token, scored over the tokens the warp left (few under top-k / top-p), is the whole
+    row's argmax of log p + g, for small and wide supports and ties broken alike."""
+    g = torch.Generator().manual_seed(1)
+    V = 8192
+    probs = warp(torch.randn(40, V, generator=g) * 6, params)
+    probs[0] = 0.0
+    probs[0, [5, 9]] = 0.5  # a tie broken by the noise alone
+    for i in range(len(probs)):
+        noise = gumbel_noise(2, i, V)
+        assert coupled_sample(probs[i], noise) == int((probs[i].double().log() + noise).argmax())
 
 
 def test_blocked_top_k_equals_torch_topk():

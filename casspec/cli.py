@@ -34,6 +34,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "replaying CUDA graphs of the small ones")
     p.add_argument("--no-compile", action="store_true", help="on a GPU, run the elementwise steps eagerly "
                    "instead of compiling each into one kernel (torch.compile)")
+    p.add_argument("--no-fast-layers", action="store_true", help="on a CPU, run the layers of the int4 levels' "
+                   "forwards from Python instead of one C++ call each (built once per machine; same results)")
     p.add_argument("--batch-invariant", action="store_true", help="bfloat16 on a CPU: compute each row of the "
                    "target's forwards alike whatever the rows around it, so that every method's greedy tokens are "
                    "ar's (about 5-30%% slower forwards; see the README)")
@@ -55,7 +57,8 @@ def _engine(args: argparse.Namespace):
                                   keep_state=args.command in RUNTIME_ONLY, hf=args.command not in RUNTIME_ONLY,
                                   graphs=False if args.no_graphs else None,
                                   compile_pointwise=False if args.no_compile else None,
-                                  batch_invariant=args.batch_invariant, weights=args.weights)
+                                  batch_invariant=args.batch_invariant, weights=args.weights,
+                                  fast_layers=False if args.no_fast_layers else None)
 
 
 def _autoprofile(p: argparse.ArgumentParser) -> None:

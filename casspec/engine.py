@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dsia.errors import CasspecError
+from dsia.fastloop import Stacks, build_error
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
@@ -51,7 +52,7 @@ class Engine:
     def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
                  graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
                  keep_state: bool = True, fuse_projections: bool | None = None, reuse_prefix: bool = True,
-                 batch_invariant: bool = False, weights: str = "float") -> None:
+                 batch_invariant: bool = False, weights: str = "float", fast_layers: bool | None = None) -> None:
         """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
         every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on
         a GPU; without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do).
@@ -68,7 +69,9 @@ class Engine:
         a Q4_0 / Q4_1 / Q8_0 GGUF in its stored quantization (casspec/native.py; CPU; its forwards batch-invariant).
         batch_invariant: each row of a target forward computed alike whatever the rows around it
         (dsia/invariant.py), so that every method's greedy tokens are `ar`'s in bfloat16 too (bfloat16 on a CPU; its
-        forwards run eagerly)."""
+        forwards run eagerly).
+        fast_layers: the decoder layers of forwards whose products are all packed 4-bit (the int4 levels) as one C++
+        call each (dsia/fastloop.py; default: on a CPU, where the extension builds, once per machine)."""
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -101,6 +104,15 @@ class Engine:
         compiled = cuda if compile_pointwise is None else compile_pointwise
         if compiled:
             model = model.with_pointwise(compiled_pointwise())
+        stacked = not cuda if fast_layers is None else fast_layers
+        if stacked:
+            error = build_error()
+            if error is not None and fast_layers:
+                raise CasspecError(f"the C++ layer loop did not build ({error}): install a C++ compiler and ninja, "
+                                   "or run without fast layers")
+            stacked = error is None
+        if stacked:
+            model = model.with_stacks(Stacks())
         if max_context is not None and max_context < 2:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         if graphs is None:
@@ -108,7 +120,7 @@ class Engine:
         # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
         self.build = "; ".join([dense.describe()] + [name for name, on in (
             ("native weights", native), ("fused projections", fuse), ("compiled pointwise", compiled),
-            ("CUDA graphs", graphs),
+            ("CUDA graphs", graphs), ("c++ layers", stacked),
             ("batch-invariant", batch_invariant)) if on])
         self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
@@ -143,7 +155,8 @@ class Engine:
                         kernels: str = "auto", graphs: bool | None = None, compile_pointwise: bool | None = None,
                         autoprofile: bool = True, keep_state: bool = True, hf: bool = True,
                         fuse_projections: bool | None = None, reuse_prefix: bool = True,
-                        batch_invariant: bool = False, weights: str = "float") -> "Engine":
+                        batch_invariant: bool = False, weights: str = "float",
+                        fast_layers: bool | None = None) -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
         model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
         t0 = time.perf_counter()
@@ -151,7 +164,8 @@ class Engine:
         load_s = time.perf_counter() - t0
         engine = cls(loaded, max_context, kernels, graphs=graphs, compile_pointwise=compile_pointwise,
                      autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections,
-                     reuse_prefix=reuse_prefix, batch_invariant=batch_invariant, weights=weights)
+                     reuse_prefix=reuse_prefix, batch_invariant=batch_invariant, weights=weights,
+                     fast_layers=fast_layers)
         engine.setup = {"load": load_s, **engine.setup}
         return engine
 

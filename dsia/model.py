@@ -24,6 +24,7 @@ from .kvcache import KVCache
 from .plan import TARGET, Plan
 
 if TYPE_CHECKING:
+    from .fastloop import Stacks
     from .graphs import Graphs
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -196,6 +197,7 @@ class Transformer:
         self.graphs: Graphs | None = None  # CUDA graphs of small forwards (`with_graphs`); None runs eagerly
         self.pointwise = EAGER  # the elementwise steps (`with_pointwise`: compiled ones on a GPU)
         self.batch_invariant = False  # target forwards whose rows do not depend on each other (`with_batch_invariant`)
+        self.stacks: Stacks | None = None  # plans whose layers run as one C++ call (`with_stacks`); None: Python
         # the target's own kernels where the checkpoint is run in its stored quantization (`with_native`): every
         # product a plan does not replace runs them instead of the dense weights; None: the dense weights
         self.native: Plan | None = None
@@ -325,6 +327,13 @@ class Transformer:
         out += [(k, weights[n]) for (i, n), k in nat.linears.items() if i == 0]
         return out + ([(nat.head, self.lm_head)] if nat.head is not None else [])
 
+    def with_stacks(self, stacks: Stacks | None) -> "Transformer":
+        """The same model, the layers of the plans `stacks` takes (packed 4-bit products: dsia/fastloop.py) run by
+        one C++ call each (None: every forward's layers in Python)."""
+        other = copy.copy(self)
+        other.stacks = stacks
+        return other
+
     def with_pointwise(self, pointwise: Pointwise) -> "Transformer":
         """The same weights, the elementwise steps run by `pointwise`."""
         other = copy.copy(self)
@@ -409,6 +418,11 @@ class Transformer:
         x = F.embedding(tokens, self.embed)  # [T, D] the residual stream
         delta: Tensor | None = None  # [T, D] the last sublayer's output, added to x together with the next norm
         n_layers = s.n_layers if plan.exit_after is None else plan.exit_after
+        stack = self.stacks.get(self, plan) if self.stacks is not None and kv.slots is None and kv.rows is None \
+            else None
+        if stack is not None:  # the same layers as one C++ call
+            x, delta = stack.run(x, cache, kv, cos, sin)
+            n_layers = 0
         for i in range(n_layers):
             lw = self.layers[i]
             if i not in plan.skip_attn:

@@ -88,7 +88,7 @@ def test_learned_state_is_kept_between_engines_and_a_bad_file_is_ignored(cache):
     kept = next(iter(second.drafters.trackers.values()))
     assert kept.estimate("int4", 0.9) == tracker.estimate("int4", 0.9) and kept.counts == tracker.counts
     assert second.generate_ids(PROMPT, Request(max_new_tokens=24, method="dytc")).token_ids == ar
-    state = StateFile.of(machine_info("cpu"), "tiny-llama", "float32", "blas (T 1+)")  # (tiny engines force BLAS)
+    state = StateFile.of(machine_info("cpu"), "tiny-llama", "float32", first.build)  # (tiny engines force BLAS)
     assert state.path.is_file() and state.path.parent == cache / "state"
     assert state.load("another profile")[0] is None and state.load("another profile")[1]  # estimates still count
     state.path.write_text('{"version": 1, "key": ' + json.dumps(state.key) + ', "trackers": {"x": {"rates": 3}}}')
@@ -96,8 +96,9 @@ def test_learned_state_is_kept_between_engines_and_a_bad_file_is_ignored(cache):
     state.path.write_text("{truncated")
     third = tiny_engine(keep_state=True)
     assert "refined" not in third.latency_source and third.drafters.trackers == {}
-    assert StateFile.of(machine_info("cpu"), "tiny-llama", "bfloat16", "blas (T 1+)").path != state.path
+    assert StateFile.of(machine_info("cpu"), "tiny-llama", "bfloat16", first.build).path != state.path
     assert StateFile.of(machine_info("cpu"), "tiny-llama", "float32", "mkl (T 1+)").path != state.path
+    assert StateFile.of(machine_info("cpu"), "tiny-llama", "float32", "blas (T 1+)").path != state.path
 
 
 @pytest.fixture

@@ -64,7 +64,7 @@ KERNELS = tuple(candidates(torch.float32, "cpu"))  # forced in the
 def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = None, kernels: str = "blas",
                 graphs: bool | None = None, autoprofile: bool = False, keep_state: bool = False,
                 fuse_projections: bool | None = None, reuse_prefix: bool = True, batch_invariant: bool = False,
-                **kw):
+                fast_layers: bool | None = None, **kw):
     """An Engine over a tiny random model (no files). Prompts are strings of words 'w5 w17 ...'. graphs=True on the
     CPU runs the CUDA graphs' static-shape forwards eagerly. No profile is measured and no state is kept unless asked
     (tests that ask point CASSPEC_CACHE at a temporary folder)."""
@@ -75,7 +75,7 @@ def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = No
     return Engine(Loaded(model, tiny_tokenizer(model.config.vocab_size), f"tiny-{arch}"), max_context=max_context,
                   kernels=kernels, graphs=graphs, autoprofile=autoprofile, keep_state=keep_state,
                   fuse_projections=fuse_projections, reuse_prefix=reuse_prefix,
-                  batch_invariant=batch_invariant)
+                  batch_invariant=batch_invariant, fast_layers=fast_layers)
 
 
 def chi2_p(observed: list[float], expected: list[float]) -> float:

@@ -34,8 +34,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "replaying CUDA graphs of the small ones")
     p.add_argument("--no-compile", action="store_true", help="on a GPU, run the elementwise steps eagerly "
                    "instead of compiling each into one kernel (torch.compile)")
-    p.add_argument("--no-fast-layers", action="store_true", help="on a CPU, run the layers of the int4 levels' "
-                   "forwards from Python instead of one C++ call each (built once per machine; same results)")
+    p.add_argument("--no-fast-layers", action="store_true", help="on a CPU, run the decoder layers of each "
+                   "forward from Python instead of one C++ call (built once per machine; the same results)")
     p.add_argument("--batch-invariant", action="store_true", help="bfloat16 on a CPU: compute each row of the "
                    "target's forwards alike whatever the rows around it, so that every method's greedy tokens are "
                    "ar's (about 5-30%% slower forwards; see the README)")

@@ -70,8 +70,8 @@ class Engine:
         batch_invariant: each row of a target forward computed alike whatever the rows around it
         (dsia/invariant.py), so that every method's greedy tokens are `ar`'s in bfloat16 too (bfloat16 on a CPU; its
         forwards run eagerly).
-        fast_layers: the decoder layers of forwards whose products are all packed 4-bit (the int4 levels) as one C++
-        call each (dsia/fastloop.py; default: on a CPU, where the extension builds, once per machine)."""
+        fast_layers: the decoder layers of a forward as one C++ call (dsia/fastloop.py: the target's and the int4
+        levels' forwards; default: on a CPU, where it builds, once per machine)."""
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer

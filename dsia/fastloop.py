@@ -1,13 +1,15 @@
-"""The layer loop of packed 4-bit forwards in C++ (csrc/layers.cpp, built once per machine with the system's C++
+"""The decoder layers of a forward as one C++ call (csrc/layers.cpp, built once per machine with the system's C++
 compiler and cached by torch.utils.cpp_extension).
 
-A draft level's forward is about 36 small operations per layer; on a CPU each one called from Python costs a few
-microseconds more than the same call made from C++, which for a 30-layer model is a third of a one-token int4
-forward. `Int4Stack` runs the decoder layers of a plan whose every product is a packed 4-bit kernel (the int4 levels,
-a GGUF target as stored, whose Q8_0 blocks run as two 4-bit planes) as one call: the same ATen operations in the
-same order as `Transformer._layers`, so the same bits (tested), without Python between them. Plans with anything
-else (skipped sublayers, an early exit, sparse MLPs, dense or NF4 products, biases, q/k norms) run the Python loop.
-Where no compiler is found the build fails once, quietly, and every forward runs the Python loop.
+A forward is about 36 small operations per layer; on a CPU each one called from Python costs a few microseconds more
+than the same call made from C++, which for a 30-layer model is a fifth of a one-token int4 forward and a tenth of a
+float32 one. A `LayerStack` holds a plan's layer weights, laid out once, and runs its layers in one call: the same
+ATen operations in the same order as `Transformer._layers`, so the same bits (tested). It takes plans whose every
+layer runs both sublayers with products that are packed 4-bit kernels (the int4 levels, a GGUF target as stored) or
+dense weights through BLAS or MKL's packed sgemm (a float32 target), with or without q|k|v and gate|up fused and
+with biases; the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels, oneDNN's product,
+q/k norms, batch-invariant targets) run the Python loop. Where no compiler is found the build fails once, quietly,
+and every forward runs the Python loop.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .kernels import kernel_for, mkl_packed
 from .model import FUSED_GROUPS, KvAccess, Transformer
 from .plan import Plan
 from .quant import FusedLinear, Int4Linear, Int8GroupLinear
@@ -29,90 +32,145 @@ if TYPE_CHECKING:
 
 SOURCE = Path(__file__).parent / "csrc" / "layers.cpp"
 EXTENSION = "casspec_layers"  # the built library's name (torch's extension cache rebuilds it when the source changes)
+SLOTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's product slots (q holds q|k|v where fused, gate gate|up)
+NONE, PACKED, DENSE = -1, 0, 1  # a slot's kind: empty (a part of a fused product), packed 4-bit, dense weight
+DENSE_KERNELS = {"blas": 1, "mkl": 2}  # the dense kernels the C++ loop runs, by DenseKernels name
 # the dtype code ATen's ScalarType enum gives each activation dtype a packed kernel may take
 SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}
 
 
 @functools.cache
 def build_error() -> str | None:
-    """Build (or load the cached build of) the C++ layer loop once per process: None when torch.ops.casspec holds
-    it, else why not (the Python loop then runs every forward)."""
+    """Build (or load the cached build of) the C++ layer loop once per process: None when torch.classes.casspec
+    holds it, else why not (the Python loop then runs every forward)."""
     try:
         from torch.utils.cpp_extension import load
         load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=["-O2"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a header mismatch: the Python loop is the same computation
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        first = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {first[0] if first else ''}"
     return None
 
 
+class Unsupported(Exception):
+    """A plan the C++ loop does not run (the Python loop does)."""
+
+
 @dataclass(frozen=True)
-class Int4Stack:
-    """A plan's decoder layers laid out for one C++ call: per layer two norms and four products (q|k|v, o,
-    gate|up, down), each product's packed weight, scales and zeros, group size, and whether it takes [x, x]."""
-    norms: list[Tensor]  # [2L] attention, MLP norm weights [D]
-    packed: list[Tensor]  # [4L]
-    scales: list[Tensor]  # [4L]
-    group_sizes: list[int]  # [4L]
-    doubled: list[int]  # [4L] 1: 8-bit codes as two 4-bit planes (Int8GroupLinear)
-    act_dtype: int  # ATen ScalarType code of the activations every product takes
-    n_heads: int
-    n_kv_heads: int
-    eps: float
-
-    def run(self, x: Tensor, cache: KVCache, kv: KvAccess, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """The layers over x [T, D] (after the embedding), writing K/V at slots [kv.start, kv.end): (x, delta),
-        the residual stream and the last MLP's output, not yet added, as the Python loop leaves them."""
-        return torch.ops.casspec.int4_layers(x, self.norms, self.packed, self.scales, self.group_sizes,
-                                             self.doubled, self.act_dtype, cache.k, cache.v, cos, sin, kv.start,
-                                             kv.end, kv.mask, kv.is_causal, self.n_heads, self.n_kv_heads, self.eps)
+class Slot:
+    kind: int  # NONE, PACKED or DENSE
+    weight: Tensor  # packed codes, or the dense weight [out, in]
+    aux: Tensor  # packed: scales and zeros; dense: MKL's packed copy where MKL may run it
+    bias: Tensor  # [out], or empty
+    group_size: int = 0  # packed
+    doubled: int = 0  # packed: 1 where the kernel takes [x, x] (Int8GroupLinear)
+    act_dtype: torch.dtype | None = None  # packed: the activations' dtype
 
 
-def _packed(kernel: object) -> Int4Linear | Int8GroupLinear | None:
-    """The packed 4-bit kernel behind a plan's product (None: another kind)."""
+EMPTY = torch.empty(0)
+EMPTY_SLOT = Slot(NONE, EMPTY, EMPTY, EMPTY)
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A plan's layers as one C++ object (torch.classes.casspec.Stack), and the slots it was built from."""
+    stack: object
+    slots: tuple[Slot, ...]  # [7L]
+
+    @functools.cached_property
+    def dense(self) -> bool:
+        """Whether any product is dense (a call then names the dense kernel for its token count)."""
+        return any(slot.kind == DENSE for slot in self.slots)
+
+    def run(self, model: Transformer, x: Tensor, cache: KVCache, kv: KvAccess, cos: Tensor,
+            sin: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The layers over x [T, D] (after the embedding), writing K/V at slots [kv.start, kv.end): (x, delta), the
+        residual stream and the last MLP's output, not yet added, as the Python loop leaves them; None where the
+        dense kernel chosen for T rows is one the C++ loop does not run (the caller runs the Python loop)."""
+        name = kernel_for(model.dense, x.shape[0], x.dtype, x.device) if self.dense else "blas"
+        if name not in DENSE_KERNELS:
+            return None
+        return self.stack.run(x, DENSE_KERNELS[name], cache.k, cache.v, cos, sin, kv.start, kv.end, kv.mask,
+                              kv.is_causal)
+
+
+def _packed_slot(kernel: object, bias: Tensor | None) -> Slot:
     if isinstance(kernel, FusedLinear):
         kernel = kernel.kernel
-    return kernel if isinstance(kernel, (Int4Linear, Int8GroupLinear)) else None
+    if not isinstance(kernel, (Int4Linear, Int8GroupLinear)):
+        raise Unsupported(type(kernel).__name__)
+    return Slot(PACKED, kernel.packed, kernel.scales_and_zeros, EMPTY if bias is None else bias, kernel.group_size,
+                int(isinstance(kernel, Int8GroupLinear)), kernel.act_dtype)
 
 
-def _product(model: Transformer, plan: Plan, i: int, key: str) -> object:
-    """The kernel the Python loop runs for product `key` of layer i (None: a dense weight, or parts one by one),
-    as Transformer._fused and _linear choose it."""
-    native = model.native or Plan()
-    if key in FUSED_GROUPS:
-        kernel = plan.fused.get((i, key))
-        if kernel is None and not any((i, p) in plan.linears for p in FUSED_GROUPS[key]):
-            kernel = native.fused.get((i, key))
-        return kernel
-    return plan.linears.get((i, key), native.linears.get((i, key)))
+def _dense_slot(model: Transformer, w: Tensor, bias: Tensor | None) -> Slot:
+    mkl = "mkl" in model.dense.names and w.dtype == torch.float32
+    return Slot(DENSE, w, mkl_packed(w) if mkl else EMPTY, EMPTY if bias is None else bias)
 
 
-def int4_stack(model: Transformer, plan: Plan) -> Int4Stack | None:
-    """The plan's layers as one C++ call, where every product is packed 4-bit and the layers are plain (see the
-    module docstring); None where not."""
+def _linear_slot(model: Transformer, plan: Plan, i: int, name: str) -> Slot:
+    """Projection `name` of layer i, as Transformer._linear runs it."""
+    lw, native = model.layers[i], model.native or Plan()
+    kernel = plan.linears.get((i, name), native.linears.get((i, name)))
+    bias = lw.bias.get(name)
+    if kernel is not None:
+        return _packed_slot(kernel, bias)
+    return _dense_slot(model, lw.projections()[name], bias)
+
+
+def _layer_slots(model: Transformer, plan: Plan, i: int) -> list[Slot]:
+    """Layer i's seven product slots, as Transformer._fused / _linear choose its kernels."""
+    lw = model.layers[i]
+    slots = {"o": _linear_slot(model, plan, i, "o"), "down": _linear_slot(model, plan, i, "down")}
+    for group, parts in FUSED_GROUPS.items():
+        kernel = plan.fused.get((i, group))
+        dense = None
+        if kernel is None and not any((i, p) in plan.linears for p in parts):
+            if model.native is not None:
+                kernel = model.native.fused.get((i, group))
+            else:
+                dense = lw.wqkv if group == "qkv" else lw.w_gate_up
+        if kernel is None and dense is None:  # one product per part
+            slots.update({p: _linear_slot(model, plan, i, p) for p in parts})
+            continue
+        if any(p in lw.bias for p in parts):  # (the Python loop adds a fused product's biases after its split)
+            raise Unsupported("a fused product with biases")
+        slots[parts[0]] = _packed_slot(kernel, None) if kernel is not None else _dense_slot(model, dense, None)
+        slots.update({p: EMPTY_SLOT for p in parts[1:]})
+    return [slots[name] for name in SLOTS]
+
+
+def layer_stack(model: Transformer, plan: Plan) -> LayerStack | None:
+    """The plan's layers as one C++ call (see the module docstring), or None where the Python loop runs them."""
     s = model.spec
     if (plan.skip_attn or plan.skip_mlp or plan.exit_after is not None or plan.mlps or s.qk_norm
-            or model.device.type != "cpu" or any(lw.bias for lw in model.layers)):
+            or model.device.type != "cpu" or (model.batch_invariant and plan.is_target)):
         return None
-    norms, kernels = [], []
-    for i, lw in enumerate(model.layers):
-        norms += [lw.attn_norm, lw.mlp_norm]
-        kernels += [_packed(_product(model, plan, i, key)) for key in ("qkv", "o", "gate_up", "down")]
-    if any(k is None for k in kernels) or len({k.act_dtype for k in kernels}) != 1:
+    try:
+        slots = [slot for i in range(s.n_layers) for slot in _layer_slots(model, plan, i)]
+    except Unsupported:
         return None
-    return Int4Stack(norms, [k.packed for k in kernels], [k.scales_and_zeros for k in kernels],
-                     [k.group_size for k in kernels], [int(isinstance(k, Int8GroupLinear)) for k in kernels],
-                     SCALAR_TYPE[kernels[0].act_dtype], s.n_heads, s.n_kv_heads, s.norm_eps)
+    acts = {slot.act_dtype for slot in slots if slot.kind == PACKED}
+    if len(acts) > 1:
+        return None
+    norms = [w for lw in model.layers for w in (lw.attn_norm, lw.mlp_norm)]
+    stack = torch.classes.casspec.Stack(
+        norms, [slot.kind for slot in slots], [slot.weight for slot in slots], [slot.aux for slot in slots],
+        [slot.bias for slot in slots], [slot.group_size for slot in slots], [slot.doubled for slot in slots],
+        SCALAR_TYPE[acts.pop() if acts else torch.float32], s.n_heads, s.n_kv_heads, s.norm_eps)
+    return LayerStack(stack, tuple(slots))
 
 
 class Stacks:
-    """Each plan's Int4Stack (or None), found on the plan's first forward and kept while the plan lives."""
+    """Each plan's LayerStack (or None), found on the plan's first forward and kept while the plan lives."""
 
     def __init__(self) -> None:
         # plan -> (the target's native kernels it was found with, its stack)
-        self._of: weakref.WeakKeyDictionary[Plan, tuple[Plan | None, Int4Stack | None]] = weakref.WeakKeyDictionary()
+        self._of: weakref.WeakKeyDictionary[Plan, tuple[Plan | None, LayerStack | None]] = \
+            weakref.WeakKeyDictionary()
 
-    def get(self, model: Transformer, plan: Plan) -> Int4Stack | None:
+    def get(self, model: Transformer, plan: Plan) -> LayerStack | None:
         found = self._of.get(plan)
         if found is None or found[0] is not model.native:
-            found = self._of[plan] = (model.native, int4_stack(model, plan))
+            found = self._of[plan] = (model.native, layer_stack(model, plan))
         return found[1]

@@ -74,6 +74,17 @@ _PACKED = PackedSgemm()  # the one store of packed weights
 KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn, "mkl": _PACKED}  # every dense kernel by name
 
 
+def mkl_packed(w: Tensor) -> Tensor:
+    """w's copy in MKL's packed layout, the one `mkl` multiplies (packed now unless it is already)."""
+    return _PACKED.pack(w)
+
+
+def kernel_for(dense: DenseKernels, tokens: int, dtype: torch.dtype, device: torch.device) -> str:
+    """The kernel `dense` runs a product over `tokens` rows in dtype on device with (as DenseKernels.__call__)."""
+    name = dense.names[bucket_of(tokens)]
+    return "blas" if name in FLOAT32_CPU_ONLY and (dtype != torch.float32 or device.type != "cpu") else name
+
+
 def candidates(dtype: torch.dtype, device: torch.device | str) -> dict[str, DenseFn]:
     """The kernels that compute in `dtype` on this device: BLAS `F.linear` always; for float32 on a CPU, oneDNN's
     inner product and MKL's packed sgemm where torch has them."""
@@ -112,9 +123,8 @@ class DenseKernels:
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """x [..., in] @ w [out, in]^T (+ b) -> [..., out]."""
-        name = self.names[bucket_of(x.shape[0])] if x.dim() == 2 else "blas"
-        if name in FLOAT32_CPU_ONLY and (x.dtype != torch.float32 or x.device.type != "cpu"):
-            name = "blas"  # a product outside the measured dtype/device (e.g. a bf16 copy) goes to BLAS
+        # (a product outside the measured dtype/device, e.g. a bf16 copy, goes to BLAS)
+        name = kernel_for(self, x.shape[0], x.dtype, x.device) if x.dim() == 2 else "blas"
         return KERNELS[name](x, w, b)
 
     def prepare(self, weights: list[Tensor]) -> None:

@@ -328,8 +328,8 @@ class Transformer:
         return out + ([(nat.head, self.lm_head)] if nat.head is not None else [])
 
     def with_stacks(self, stacks: Stacks | None) -> "Transformer":
-        """The same model, the layers of the plans `stacks` takes (packed 4-bit products: dsia/fastloop.py) run by
-        one C++ call each (None: every forward's layers in Python)."""
+        """The same model, the layers of the plans `stacks` takes (dsia/fastloop.py) run by one C++ call each
+        (None: every forward's layers in Python)."""
         other = copy.copy(self)
         other.stacks = stacks
         return other
@@ -420,9 +420,9 @@ class Transformer:
         n_layers = s.n_layers if plan.exit_after is None else plan.exit_after
         stack = self.stacks.get(self, plan) if self.stacks is not None and kv.slots is None and kv.rows is None \
             else None
-        if stack is not None:  # the same layers as one C++ call
-            x, delta = stack.run(x, cache, kv, cos, sin)
-            n_layers = 0
+        done = stack.run(self, x, cache, kv, cos, sin) if stack is not None else None
+        if done is not None:  # the same layers as one C++ call
+            (x, delta), n_layers = done, 0
         for i in range(n_layers):
             lw = self.layers[i]
             if i not in plan.skip_attn:

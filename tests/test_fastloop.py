@@ -1,17 +1,16 @@
-"""The C++ layer loop (dsia/fastloop.py, csrc/layers.cpp): the plans it takes give the Python loop's logits bit for
-bit (int4 levels in float32 and bfloat16, one token, a tree's scratch mask, a causal prefill; a GGUF target's Q4_0 /
-Q8_0 products as stored), the plans it does not take run the Python loop, and a build that fails is one clear line
-where the loop was asked for."""
+"""The C++ layer loop (dsia/fastloop.py, csrc/layers.cpp): the plans it takes give the Python loop's logits and KV bit
+for bit (int4 levels and dense targets, float32 and bfloat16, q|k|v fused or not, biases, BLAS and MKL; one token,
+a tree's scratch mask, a causal prefill; a GGUF target's Q4_0 / Q8_0 products as stored), the plans it does not take
+run the Python loop, and a build that fails is one clear line where the loop was asked for."""
 import copy
 
 import pytest
 import torch
 
 from dsia.errors import CasspecError
-from dsia.fastloop import Stacks, build_error, int4_stack
-from dsia.levels import Level
-from dsia.plan import TARGET
-from tiny import tiny_engine, tiny_gguf
+from dsia.fastloop import Stacks, build_error, layer_stack
+from dsia.plan import TARGET, Plan
+from tiny import KERNELS, tiny_engine, tiny_gguf
 
 pytestmark = pytest.mark.skipif(build_error() is not None, reason=f"the C++ layer loop did not build: {build_error()}")
 
@@ -21,10 +20,26 @@ def both(model):
     return model.with_stacks(Stacks()), model.with_stacks(None)
 
 
-def run(model, level: Level, cache, tokens: list[int], start: int, mask: torch.Tensor | None) -> torch.Tensor:
+def run(model, plan: Plan, cache, tokens: list[int], start: int, mask: torch.Tensor | None) -> torch.Tensor:
     T = len(tokens)
-    positions = torch.arange(start, start + T)
-    return level.forward(model, cache, torch.tensor(tokens), positions, start, mask)
+    return model.forward(cache, torch.tensor(tokens), torch.arange(start, start + T), start, mask, plan)
+
+
+def forwards(model, plan: Plan) -> tuple[torch.Tensor, ...]:
+    """A causal prefill, a one-token step and a tree's forward, and the KV they wrote."""
+    prompt = [5, 9, 17, 23, 4, 8, 31]
+    cache = model.new_cache(64)
+    prefill = run(model, plan, cache, prompt, 0, None)  # causal prefill (is_causal)
+    cache.commit(list(range(len(prompt))))
+    one = run(model, plan, cache, [12], cache.length, None)  # one token, every slot visible
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    branch = run(model, plan, cache, [12, 40, 41, 7], cache.length, tree)  # a tree's scratch mask
+    return prefill, one, branch, cache.k[:, :, :cache.length + 4].clone(), cache.v[:, :, :cache.length + 4].clone()
+
+
+def assert_same(fast, slow, plan: Plan) -> None:
+    for a, b in zip(forwards(fast, plan), forwards(slow, plan)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -34,19 +49,28 @@ def test_int4_levels_equal_the_python_loop(arch, dtype, name):
     eng = tiny_engine(arch, seed=1, dtype=dtype)
     fast, slow = both(eng.model)
     level = eng.levels.get(name)
-    assert fast.stacks.get(fast, level.plan) is not None
-    prompt = [5, 9, 17, 23, 4, 8, 31]
-    outs = []
-    for model in (fast, slow):
-        cache = model.new_cache(64)
-        prefill = run(model, level, cache, prompt, 0, None)  # causal prefill (is_causal)
-        cache.commit(list(range(len(prompt))))
-        one = run(model, level, cache, [12], cache.length, None)  # one token, every slot visible
-        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-        branch = run(model, level, cache, [12, 40, 41, 7], cache.length, tree)  # a tree's scratch mask
-        outs.append((prefill, one, branch, cache.k[:, :, :cache.length + 4].clone()))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    stack = fast.stacks.get(fast, level.plan)
+    assert stack is not None and not stack.dense
+    assert_same(fast, slow, level.plan)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kernels", ["blas", "mkl"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_targets_equal_the_python_loop(arch, kernels, fused, dtype):
+    """The target's own forward: dense products through the engine's kernel (MKL computes float32 only: bfloat16
+    products go to BLAS, as in the Python loop), q|k|v and gate|up fused or not, Qwen2's q/k/v biases."""
+    if kernels not in KERNELS:
+        pytest.skip(f"torch here has no {kernels} kernel")
+    eng = tiny_engine(arch, seed=2, dtype=dtype, kernels=kernels, fuse_projections=fused)
+    fast, slow = both(eng.model)
+    stack = fast.stacks.get(fast, TARGET)
+    if fused and arch == "qwen2":  # (a fused product's biases are added after its split: the Python loop's)
+        assert stack is None
+        return
+    assert stack is not None and stack.dense
+    assert_same(fast, slow, TARGET)
 
 
 def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
@@ -62,7 +86,7 @@ def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
         target.batch_invariant = False  # (a native engine's target attends block by block: the Python loop's)
         fast, slow = both(target)
         stack = fast.stacks.get(fast, TARGET)
-        assert stack is not None and any(stack.doubled) == (qtype == "Q8_0")
+        assert stack is not None and any(slot.doubled for slot in stack.slots) == (qtype == "Q8_0")
         outs = []
         for model in (fast, slow):
             cache = model.new_cache(32)
@@ -77,12 +101,26 @@ def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
 @pytest.mark.parametrize("arch,name", [("qwen2", "int4"), ("qwen3", "int4"), ("llama", "int4+skip0.3"),
                                        ("llama", "int4+exit2"), ("llama", "int8"), ("llama", "w8a8")])
 def test_plans_it_does_not_take_run_the_python_loop(arch, name):
-    """Biases (Qwen2), q/k norms (Qwen3), skipped sublayers, an early exit, other kernels: no stack,
-    and the target's own dense forward has none either."""
+    """A fused product with biases (Qwen2's int4), q/k norms (Qwen3), skipped sublayers, an early exit, other
+    kernels: no stack."""
     eng = tiny_engine(arch, seed=0)
     level = eng.levels.get(name)
-    assert int4_stack(eng.model, level.plan) is None
-    assert int4_stack(eng.model, TARGET) is None
+    assert layer_stack(eng.model, level.plan) is None
+    assert (layer_stack(eng.model, TARGET) is None) == (arch == "qwen3")
+
+
+def test_onednn_steps_and_batch_invariant_targets_run_the_python_loop():
+    """A token count the engine multiplies with oneDNN (a kernel the C++ loop does not run) runs the Python loop,
+    with the same result; a batch-invariant target has no stack."""
+    if "onednn" not in KERNELS:
+        pytest.skip("torch here has no oneDNN inner product")
+    eng = tiny_engine("llama", seed=3, kernels="onednn")
+    fast, slow = both(eng.model)
+    stack = fast.stacks.get(fast, TARGET)
+    assert stack is not None and stack.run(fast, torch.zeros(1, 64), None, None, None, None) is None
+    assert_same(fast, slow, TARGET)
+    bf = tiny_engine("llama", seed=3, dtype=torch.bfloat16, batch_invariant=True)
+    assert layer_stack(bf.model, TARGET) is None
 
 
 def test_engine_builds_it_by_default_and_says_so(monkeypatch):

@@ -1,13 +1,25 @@
-// The decoder layers of a forward whose every product is a packed 4-bit kernel (the int4 draft levels, a GGUF
-// target run as stored), as one call: the same ATen operations, in the same order, as Transformer._layers runs
-// from Python (so the same bits), without Python between them. Registered as torch.ops.casspec.int4_layers.
+// The decoder layers of one forward as one call: the same ATen operations, in the same order, as
+// Transformer._layers runs them from Python (so the same bits), without Python between them. A Stack holds one
+// plan's weights, laid out once (dsia/fastloop.py builds it); torch.classes.casspec.Stack.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
 namespace {
+
+// a product slot's kind (PRODUCT_KINDS in fastloop.py)
+constexpr int64_t kNone = -1;  // no product here (k, v of a fused q|k|v; up of a fused gate|up)
+constexpr int64_t kPacked = 0;  // packed 4-bit kernel (Int4Linear, Int8GroupLinear)
+constexpr int64_t kDense = 1;  // dense weight, through the call's dense kernel
+// dense kernels (DENSE_KERNELS in fastloop.py)
+constexpr int64_t kBlas = 1;  // F.linear
+constexpr int64_t kMkl = 2;  // MKL's packed sgemm (dsia/kernels.py PackedSgemm)
+constexpr int64_t kSlots = 7;  // per layer: q (or q|k|v), k, v, o, gate (or gate|up), up, down
 
 // RMSNorm over the last dim, as dsia/model.py's rms_norm: torch's own op in float32, HF's rounding otherwise.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -19,71 +31,130 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * xf.to(x.scalar_type());
 }
 
-// One packed product, as Int4Linear / Int8GroupLinear.__call__: x [T, in] -> [T, out] in x's dtype. `doubled`:
-// the kernel takes [x, x] (8-bit codes stored as two 4-bit planes).
-at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group_size,
-                   bool doubled, at::ScalarType act) {
-  at::Tensor a = x.to(act);
-  if (doubled) {
-    a = a.repeat({1, 2});
-  }
-  return at::_weight_int4pack_mm_for_cpu(a, packed, group_size, scales).to(x.scalar_type());
+std::optional<at::Tensor> maybe(const at::Tensor& t) {
+  return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w,
+                      const std::optional<at::Tensor>& b) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkl::_mkl_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const std::optional<at::Tensor>&, int64_t)>();
+  at::Tensor xc = x.contiguous();
+  return op.call(xc, packed, w, b, xc.size(0));
 }
 
 }  // namespace
 
-// x [T, D]: the residual stream after the embedding. Per layer i: norms[2i], norms[2i + 1] (attention, MLP);
-// products 4i..4i+3 (q|k|v, o, gate|up, down): packed[j], scales[j], group_sizes[j], doubled[j]. k_all, v_all
-// [L, Hkv, S, hd]: the cache, written at slots [start, start + T), read over [0, end). cos, sin [T, hd] (sin
-// signed, see Transformer.sin). mask [T, end] bool or none (is_causal: causal prefill). Returns (x, delta): the
-// residual stream and the last sublayer's output, not yet added (the caller's final norm adds them).
-std::tuple<at::Tensor, at::Tensor> int4_layers(
-    at::Tensor x, std::vector<at::Tensor> norms, std::vector<at::Tensor> packed, std::vector<at::Tensor> scales,
-    std::vector<int64_t> group_sizes, std::vector<int64_t> doubled, int64_t act_dtype, at::Tensor k_all,
-    at::Tensor v_all, at::Tensor cos, at::Tensor sin, int64_t start, int64_t end,
-    const std::optional<at::Tensor>& mask, bool is_causal, int64_t n_heads, int64_t n_kv_heads, double eps) {
-  const int64_t n_layers = static_cast<int64_t>(norms.size()) / 2;
-  TORCH_CHECK(static_cast<int64_t>(packed.size()) == 4 * n_layers && scales.size() == packed.size() &&
-                  group_sizes.size() == packed.size() && doubled.size() == packed.size(),
-              "int4_layers: 4 products and 2 norms per layer");
-  const at::ScalarType act = static_cast<at::ScalarType>(act_dtype);
-  const int64_t T = x.size(0);
-  const int64_t hd = k_all.size(3);
-  const int64_t half = hd / 2;
-  const bool gqa = n_heads != n_kv_heads;
-  auto run = [&](const at::Tensor& in, int64_t j) {
-    return product(in, packed[j], scales[j], group_sizes[j], doubled[j] != 0, act);
-  };
-  at::Tensor delta;  // the last sublayer's output, added to x together with the next norm
-  for (int64_t i = 0; i < n_layers; ++i) {
-    // attention
-    at::Tensor h;
-    if (delta.defined()) {
-      x = x + delta;
-    }
-    h = rms_norm(x, norms[2 * i], eps);
-    auto parts = run(h, 4 * i).split_with_sizes({(n_heads + n_kv_heads) * hd, n_kv_heads * hd}, -1);
-    at::Tensor qk = parts[0].reshape({T, n_heads + n_kv_heads, hd}).transpose(0, 1);  // [H + Hkv, T, hd]
-    at::Tensor v = parts[1].reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
-    qk = qk * cos + at::roll(qk, {half}, {-1}) * sin;  // RoPE (dsia/model.py rope)
-    auto qk_parts = qk.split_with_sizes({n_heads, n_kv_heads});
-    at::Tensor k_layer = k_all.select(0, i);  // [Hkv, S, hd]
-    at::Tensor v_layer = v_all.select(0, i);
-    k_layer.slice(1, start, start + T).copy_(qk_parts[1]);
-    v_layer.slice(1, start, start + T).copy_(v);
-    at::Tensor o = at::scaled_dot_product_attention(
-        qk_parts[0].unsqueeze(0), k_layer.slice(1, 0, end).unsqueeze(0), v_layer.slice(1, 0, end).unsqueeze(0),
-        mask, 0.0, is_causal, std::nullopt, gqa)[0];  // [H, T, hd]
-    delta = run(o.transpose(0, 1).reshape({T, n_heads * hd}), 4 * i + 1);
-    // MLP
-    x = x + delta;
-    h = rms_norm(x, norms[2 * i + 1], eps);
-    auto gate_up = run(h, 4 * i + 2).chunk(2, -1);
-    delta = run(at::silu(gate_up[0]) * gate_up[1], 4 * i + 3);
+struct Stack : torch::CustomClassHolder {
+  std::vector<at::Tensor> norms;  // [2L] attention, MLP norm weights
+  std::vector<int64_t> kinds;  // [7L] each slot's kind
+  std::vector<at::Tensor> weights;  // [7L] packed codes, or the dense weight
+  std::vector<at::Tensor> aux;  // [7L] packed: scales and zeros; dense: MKL's packed copy (or empty)
+  std::vector<at::Tensor> biases;  // [7L] bias (or empty)
+  std::vector<int64_t> group_sizes;  // [7L] packed: group size
+  std::vector<int64_t> doubled;  // [7L] packed: 1 where the kernel takes [x, x] (8-bit codes as two 4-bit planes)
+  int64_t act_dtype;  // ATen ScalarType code of the packed kernels' activations
+  int64_t n_heads, n_kv_heads;
+  double eps;
+
+  Stack(std::vector<at::Tensor> norms, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
+        std::vector<at::Tensor> aux, std::vector<at::Tensor> biases, std::vector<int64_t> group_sizes,
+        std::vector<int64_t> doubled, int64_t act_dtype, int64_t n_heads, int64_t n_kv_heads, double eps)
+      : norms(std::move(norms)), kinds(std::move(kinds)), weights(std::move(weights)), aux(std::move(aux)),
+        biases(std::move(biases)), group_sizes(std::move(group_sizes)), doubled(std::move(doubled)),
+        act_dtype(act_dtype), n_heads(n_heads), n_kv_heads(n_kv_heads), eps(eps) {
+    const size_t slots = kSlots * (this->norms.size() / 2);
+    TORCH_CHECK(this->kinds.size() == slots && this->weights.size() == slots && this->aux.size() == slots &&
+                    this->biases.size() == slots && this->group_sizes.size() == slots &&
+                    this->doubled.size() == slots,
+                "casspec Stack: 7 product slots and 2 norms per layer");
   }
-  return {x, delta};
-}
+
+  // slot j's product of x [T, in] -> [T, out] in x's dtype, as Transformer._linear / _fused run it
+  at::Tensor product(const at::Tensor& x, int64_t j, int64_t dense_kernel) const {
+    const std::optional<at::Tensor> b = maybe(biases[j]);
+    if (kinds[j] == kPacked) {  // Int4Linear / Int8GroupLinear.__call__, then the bias
+      at::Tensor a = x.to(static_cast<at::ScalarType>(act_dtype));
+      if (doubled[j] != 0) {
+        a = a.repeat({1, 2});
+      }
+      at::Tensor y = at::_weight_int4pack_mm_for_cpu(a, weights[j], group_sizes[j], aux[j]).to(x.scalar_type());
+      return b ? y + *b : y;
+    }
+    if (dense_kernel == kMkl) {
+      return mkl_linear(x, aux[j], weights[j], b);
+    }
+    return at::linear(x, weights[j], b);
+  }
+
+  // x [T, D]: the residual stream after the embedding. k_all, v_all [L, Hkv, S, hd]: the cache, written at slots
+  // [start, start + T), read over [0, end). cos, sin [T, hd] (sin signed: Transformer.sin). mask [T, end] bool or
+  // none (is_causal: causal prefill). dense_kernel: kBlas or kMkl for this call's dense products. Returns (x,
+  // delta): the residual stream and the last sublayer's output, not yet added (the caller's final norm adds them).
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, int64_t dense_kernel, at::Tensor k_all, at::Tensor v_all,
+                                         at::Tensor cos, at::Tensor sin, int64_t start, int64_t end,
+                                         std::optional<at::Tensor> mask, bool is_causal) const {
+    TORCH_CHECK(dense_kernel == kBlas || dense_kernel == kMkl, "casspec Stack: dense kernel 1 (blas) or 2 (mkl)");
+    const int64_t n_layers = static_cast<int64_t>(norms.size()) / 2;
+    const int64_t T = x.size(0);
+    const int64_t hd = k_all.size(3);
+    const bool gqa = n_heads != n_kv_heads;
+    at::Tensor delta;  // the last sublayer's output, added to x together with the next norm
+    for (int64_t i = 0; i < n_layers; ++i) {
+      const int64_t s = kSlots * i;
+      // attention: q, k, v [heads, T, hd], RoPE (dsia/model.py rope), K/V written, attended, projected
+      if (delta.defined()) {
+        x = x + delta;
+      }
+      at::Tensor h = rms_norm(x, norms[2 * i], eps);
+      at::Tensor q, k, v;
+      if (kinds[s + 1] == kNone) {  // one q|k|v product, one RoPE call for q and k
+        auto parts = product(h, s, dense_kernel).split_with_sizes({(n_heads + n_kv_heads) * hd, n_kv_heads * hd}, -1);
+        at::Tensor qk = parts[0].reshape({T, n_heads + n_kv_heads, hd}).transpose(0, 1);  // [H + Hkv, T, hd]
+        v = parts[1].reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
+        qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;
+        auto qk_parts = qk.split_with_sizes({n_heads, n_kv_heads});
+        q = qk_parts[0];
+        k = qk_parts[1];
+      } else {
+        q = product(h, s, dense_kernel).reshape({T, n_heads, hd}).transpose(0, 1);  // [H, T, hd]
+        k = product(h, s + 1, dense_kernel).reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
+        v = product(h, s + 2, dense_kernel).reshape({T, n_kv_heads, hd}).transpose(0, 1);
+        q = q * cos + at::roll(q, {hd / 2}, {-1}) * sin;
+        k = k * cos + at::roll(k, {hd / 2}, {-1}) * sin;
+      }
+      at::Tensor k_layer = k_all.select(0, i);  // [Hkv, S, hd]
+      at::Tensor v_layer = v_all.select(0, i);
+      k_layer.slice(1, start, start + T).copy_(k);
+      v_layer.slice(1, start, start + T).copy_(v);
+      at::Tensor o = at::scaled_dot_product_attention(
+          q.unsqueeze(0), k_layer.slice(1, 0, end).unsqueeze(0), v_layer.slice(1, 0, end).unsqueeze(0), mask, 0.0,
+          is_causal, std::nullopt, gqa)[0];  // [H, T, hd]
+      delta = product(o.transpose(0, 1).reshape({T, n_heads * hd}), s + 3, dense_kernel);
+      // MLP
+      x = x + delta;
+      h = rms_norm(x, norms[2 * i + 1], eps);
+      at::Tensor gate, up;
+      if (kinds[s + 5] == kNone) {  // one gate|up product
+        auto parts = product(h, s + 4, dense_kernel).chunk(2, -1);
+        gate = parts[0];
+        up = parts[1];
+      } else {
+        gate = product(h, s + 4, dense_kernel);
+        up = product(h, s + 5, dense_kernel);
+      }
+      delta = product(at::silu(gate) * up, s + 6, dense_kernel);
+    }
+    return {x, delta};
+  }
+};
 
 TORCH_LIBRARY(casspec, m) {
-  m.def("int4_layers", &int4_layers);
+  m.class_<Stack>("Stack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       int64_t, int64_t, int64_t, double>())
+      .def("run", &Stack::run);
 }

@@ -6,13 +6,14 @@ than the same call made from C++, which for a 30-layer model is a fifth of a one
 float32 one. A `LayerStack` holds a plan's layer weights, laid out once, and runs its layers in one call: the same
 ATen operations in the same order as `Transformer._layers`, so the same bits (tested). It takes plans whose every
 layer runs both sublayers with products that are packed 4-bit kernels (the int4 levels, a GGUF target as stored) or
-dense weights through BLAS or MKL's packed sgemm (a float32 target), with or without q|k|v and gate|up fused and
-with biases; the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels, oneDNN's product,
-q/k norms, batch-invariant targets) run the Python loop. Where no compiler is found the build fails once, quietly,
-and every forward runs the Python loop.
+dense weights through BLAS or MKL's packed sgemm (a float32 target), with or without q|k|v and gate|up fused, with
+or without biases; the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels, oneDNN's
+product, q/k norms, batch-invariant targets) run the Python loop. Where no compiler is found the build fails once,
+quietly, and every forward runs the Python loop.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
@@ -133,10 +134,10 @@ def _layer_slots(model: Transformer, plan: Plan, i: int) -> list[Slot]:
         if kernel is None and dense is None:  # one product per part
             slots.update({p: _linear_slot(model, plan, i, p) for p in parts})
             continue
-        if any(p in lw.bias for p in parts):  # (the Python loop adds a fused product's biases after its split)
-            raise Unsupported("a fused product with biases")
-        slots[parts[0]] = _packed_slot(kernel, None) if kernel is not None else _dense_slot(model, dense, None)
-        slots.update({p: EMPTY_SLOT for p in parts[1:]})
+        # (a fused product's slots hold its parts' biases, added after its split, as the Python loop adds them)
+        slot = _packed_slot(kernel, None) if kernel is not None else _dense_slot(model, dense, None)
+        slots[parts[0]] = dataclasses.replace(slot, bias=lw.bias.get(parts[0], EMPTY))
+        slots.update({p: dataclasses.replace(EMPTY_SLOT, bias=lw.bias.get(p, EMPTY)) for p in parts[1:]})
     return [slots[name] for name in SLOTS]
 
 

@@ -72,9 +72,10 @@ struct Stack : torch::CustomClassHolder {
                 "casspec Stack: 7 product slots and 2 norms per layer");
   }
 
-  // slot j's product of x [T, in] -> [T, out] in x's dtype, as Transformer._linear / _fused run it
-  at::Tensor product(const at::Tensor& x, int64_t j, int64_t dense_kernel) const {
-    const std::optional<at::Tensor> b = maybe(biases[j]);
+  // slot j's product of x [T, in] -> [T, out] in x's dtype, as Transformer._linear / _fused run it (a fused
+  // product's slots hold its parts' biases, added after the split: `biased` false)
+  at::Tensor product(const at::Tensor& x, int64_t j, int64_t dense_kernel, bool biased = true) const {
+    const std::optional<at::Tensor> b = biased ? maybe(biases[j]) : std::nullopt;
     if (kinds[j] == kPacked) {  // Int4Linear / Int8GroupLinear.__call__, then the bias
       at::Tensor a = x.to(static_cast<at::ScalarType>(act_dtype));
       if (doubled[j] != 0) {
@@ -110,7 +111,9 @@ struct Stack : torch::CustomClassHolder {
       }
       at::Tensor h = rms_norm(x, norms[2 * i], eps);
       at::Tensor q, k, v;
-      if (kinds[s + 1] == kNone) {  // one q|k|v product, one RoPE call for q and k
+      const bool fused = kinds[s + 1] == kNone;
+      const bool biased = biases[s].numel() > 0 || biases[s + 1].numel() > 0 || biases[s + 2].numel() > 0;
+      if (fused && !biased) {  // one q|k|v product, one RoPE call for q and k
         auto parts = product(h, s, dense_kernel).split_with_sizes({(n_heads + n_kv_heads) * hd, n_kv_heads * hd}, -1);
         at::Tensor qk = parts[0].reshape({T, n_heads + n_kv_heads, hd}).transpose(0, 1);  // [H + Hkv, T, hd]
         v = parts[1].reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
@@ -119,9 +122,26 @@ struct Stack : torch::CustomClassHolder {
         q = qk_parts[0];
         k = qk_parts[1];
       } else {
-        q = product(h, s, dense_kernel).reshape({T, n_heads, hd}).transpose(0, 1);  // [H, T, hd]
-        k = product(h, s + 1, dense_kernel).reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
-        v = product(h, s + 2, dense_kernel).reshape({T, n_kv_heads, hd}).transpose(0, 1);
+        if (fused) {  // one q|k|v product, split, each part's bias added
+          auto parts = product(h, s, dense_kernel, false)
+                           .split_with_sizes({n_heads * hd, n_kv_heads * hd, n_kv_heads * hd}, -1);
+          q = parts[0];
+          k = parts[1];
+          v = parts[2];
+          for (int64_t p = 0; p < 3; ++p) {
+            at::Tensor& t = p == 0 ? q : p == 1 ? k : v;
+            if (biases[s + p].numel() > 0) {
+              t = t + biases[s + p];
+            }
+          }
+        } else {
+          q = product(h, s, dense_kernel);
+          k = product(h, s + 1, dense_kernel);
+          v = product(h, s + 2, dense_kernel);
+        }
+        q = q.reshape({T, n_heads, hd}).transpose(0, 1);  // [H, T, hd]
+        k = k.reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
+        v = v.reshape({T, n_kv_heads, hd}).transpose(0, 1);
         q = q * cos + at::roll(q, {hd / 2}, {-1}) * sin;
         k = k * cos + at::roll(k, {hd / 2}, {-1}) * sin;
       }
@@ -138,7 +158,7 @@ struct Stack : torch::CustomClassHolder {
       h = rms_norm(x, norms[2 * i + 1], eps);
       at::Tensor gate, up;
       if (kinds[s + 5] == kNone) {  // one gate|up product
-        auto parts = product(h, s + 4, dense_kernel).chunk(2, -1);
+        auto parts = product(h, s + 4, dense_kernel, false).chunk(2, -1);
         gate = parts[0];
         up = parts[1];
       } else {

@@ -7,9 +7,10 @@ float32 one. A `LayerStack` holds a plan's layer weights, laid out once, and run
 ATen operations in the same order as `Transformer._layers`, so the same bits (tested). It takes plans whose every
 layer runs both sublayers with products that are packed 4-bit kernels (the int4 levels, a GGUF target as stored) or
 dense weights through BLAS or MKL's packed sgemm (a float32 target), with or without q|k|v and gate|up fused, with
-or without biases; the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels, oneDNN's
-product, q/k norms, batch-invariant targets) run the Python loop. Where no compiler is found the build fails once,
-quietly, and every forward runs the Python loop.
+or without biases, and a batch-invariant target's attention block by block where its products are all packed (a
+GGUF target run as stored); the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels,
+oneDNN's product, q/k norms, batch-invariant targets with dense products) run the Python loop. Where no compiler is
+found the build fails once, quietly, and every forward runs the Python loop.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import kernel_for, mkl_packed
 from .model import FUSED_GROUPS, KvAccess, Transformer
 from .plan import Plan
@@ -91,8 +93,10 @@ class LayerStack:
         name = kernel_for(model.dense, x.shape[0], x.dtype, x.device) if self.dense else "blas"
         if name not in DENSE_KERNELS:
             return None
+        rows = kv.rows  # the batch-invariant attention's keys of each row (None: SDPA)
         return self.stack.run(x, DENSE_KERNELS[name], cache.k, cache.v, cos, sin, kv.start, kv.end, kv.mask,
-                              kv.is_causal)
+                              kv.is_causal, None if rows is None else rows.bias, None if rows is None else rows.tail,
+                              0 if rows is None else rows.shared, 0 if rows is None else rows.end)
 
 
 def _packed_slot(kernel: object, bias: Tensor | None) -> Slot:
@@ -145,12 +149,14 @@ def layer_stack(model: Transformer, plan: Plan) -> LayerStack | None:
     """The plan's layers as one C++ call (see the module docstring), or None where the Python loop runs them."""
     s = model.spec
     if (plan.skip_attn or plan.skip_mlp or plan.exit_after is not None or plan.mlps or s.qk_norm
-            or model.device.type != "cpu" or (model.batch_invariant and plan.is_target)):
+            or model.device.type != "cpu"):
         return None
     try:
         slots = [slot for i in range(s.n_layers) for slot in _layer_slots(model, plan, i)]
     except Unsupported:
         return None
+    if model.batch_invariant and plan.is_target and any(slot.kind == DENSE for slot in slots):
+        return None  # (its dense products run over padded rows: invariant_linear, in the Python loop)
     acts = {slot.act_dtype for slot in slots if slot.kind == PACKED}
     if len(acts) > 1:
         return None
@@ -158,7 +164,8 @@ def layer_stack(model: Transformer, plan: Plan) -> LayerStack | None:
     stack = torch.classes.casspec.Stack(
         norms, [slot.kind for slot in slots], [slot.weight for slot in slots], [slot.aux for slot in slots],
         [slot.bias for slot in slots], [slot.group_size for slot in slots], [slot.doubled for slot in slots],
-        SCALAR_TYPE[acts.pop() if acts else torch.float32], s.n_heads, s.n_kv_heads, s.norm_eps)
+        SCALAR_TYPE[acts.pop() if acts else torch.float32], s.n_heads, s.n_kv_heads, s.norm_eps,
+        [BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS])
     return LayerStack(stack, tuple(slots))
 
 

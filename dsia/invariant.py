@@ -196,7 +196,7 @@ def block_attention(q: Tensor, keys: Tensor, values: Tensor, rows: RowKeys, scal
         p_t = p[..., shared:].reshape(Hkv, G, T, nW, BLOCK).permute(0, 2, 3, 1, 4)  # [Hkv, T, nW, G, BLOCK]
         parts_t = invariant_matmul(p_t, v_t.view(Hkv, T, nW, BLOCK, hd))  # [Hkv, T, nW, G, hd]
         parts = torch.cat((parts, parts_t.permute(0, 2, 3, 1, 4)), dim=1)  # [Hkv, nS + nW, G, T, hd]
-    return sum_blocks(parts.float()).to(q.dtype).view(H, T, hd)
+    return sum_blocks(parts.float()).to(q.dtype).reshape(H, T, hd)  # (a view unless padded rows left gaps)
 
 
 def sum_blocks(parts: Tensor) -> Tensor:

@@ -418,8 +418,7 @@ class Transformer:
         x = F.embedding(tokens, self.embed)  # [T, D] the residual stream
         delta: Tensor | None = None  # [T, D] the last sublayer's output, added to x together with the next norm
         n_layers = s.n_layers if plan.exit_after is None else plan.exit_after
-        stack = self.stacks.get(self, plan) if self.stacks is not None and kv.slots is None and kv.rows is None \
-            else None
+        stack = self.stacks.get(self, plan) if self.stacks is not None and kv.slots is None else None
         done = stack.run(self, x, cache, kv, cos, sin) if stack is not None else None
         if done is not None:  # the same layers as one C++ call
             (x, delta), n_layers = done, 0

@@ -72,6 +72,8 @@ def test_dense_targets_equal_the_python_loop(arch, kernels, fused, dtype):
 
 
 def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
+    """A target run as stored: its packed products, and its batch-invariant attention (each row over its own keys,
+    block by block: the causal prefill, the one-token step and the tree's rows, whose ancestors are gathered)."""
     from casspec.engine import Engine
 
     for qtype in ("Q4_0", "Q8_0"):
@@ -80,20 +82,13 @@ def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
             eng = Engine.from_pretrained(str(path), weights="native", autoprofile=False, keep_state=False)
         except CasspecError as e:
             pytest.skip(f"no native target on this machine: {e}")
-        target = copy.copy(eng.model)
-        target.batch_invariant = False  # (a native engine's target attends block by block: the Python loop's)
-        fast, slow = both(target)
-        stack = fast.stacks.get(fast, TARGET)
-        assert stack is not None and any(slot.doubled for slot in stack.slots) == (qtype == "Q8_0")
-        outs = []
-        for model in (fast, slow):
-            cache = model.new_cache(32)
-            prefill = model.forward(cache, torch.tensor([5, 6, 7, 8]), torch.arange(4), 0)
-            cache.commit([0, 1, 2, 3])
-            step = model.forward(cache, torch.tensor([9, 10]), torch.arange(4, 6), 4)
-            outs.append((prefill, step))
-        for a, b in zip(*outs):
-            assert torch.equal(a, b)
+        plain = copy.copy(eng.model)
+        plain.batch_invariant = False
+        for target in (eng.model, plain):  # attending block by block (a native engine's own), and by SDPA
+            fast, slow = both(target)
+            stack = fast.stacks.get(fast, TARGET)
+            assert stack is not None and any(slot.doubled for slot in stack.slots) == (qtype == "Q8_0")
+            assert_same(fast, slow, TARGET)
 
 
 @pytest.mark.parametrize("arch,name", [("qwen3", "int4"), ("llama", "int4+skip0.3"), ("llama", "int4+exit2"),
@@ -108,7 +103,7 @@ def test_plans_it_does_not_take_run_the_python_loop(arch, name):
 
 def test_onednn_steps_and_batch_invariant_targets_run_the_python_loop():
     """A token count the engine multiplies with oneDNN (a kernel the C++ loop does not run) runs the Python loop,
-    with the same result; a batch-invariant target has no stack."""
+    with the same result; a batch-invariant target with dense products has no stack."""
     if "onednn" not in KERNELS:
         pytest.skip("torch here has no oneDNN inner product")
     eng = tiny_engine("llama", seed=3, kernels="onednn")
@@ -117,7 +112,7 @@ def test_onednn_steps_and_batch_invariant_targets_run_the_python_loop():
     assert stack is not None and stack.run(fast, torch.zeros(1, 64), None, None, None, None) is None
     assert_same(fast, slow, TARGET)
     bf = tiny_engine("llama", seed=3, dtype=torch.bfloat16, batch_invariant=True)
-    assert layer_stack(bf.model, TARGET) is None
+    assert layer_stack(bf.model, TARGET) is None  # (its dense products run over padded rows)
 
 
 def test_engine_builds_it_by_default_and_says_so(monkeypatch):

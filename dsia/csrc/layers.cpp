@@ -6,6 +6,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -45,6 +47,79 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return op.call(xc, packed, w, b, xc.size(0));
 }
 
+// The batch-invariant mode's constants (dsia/invariant.py: BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS), given by the caller
+struct Invariance {
+  int64_t block;  // key positions per attention block
+  int64_t fp32_min_rows;  // fewest rows a float32 product runs over
+  int64_t torch_own_macs;  // a bf16 product of at most this many multiply-adds runs torch's own kernels
+};
+
+// a [..., M, K] @ b [..., K, N] over min_rows rows at least (the first row repeated), as invariant_matmul
+at::Tensor invariant_matmul(const at::Tensor& a, const at::Tensor& b, const Invariance& inv) {
+  const int64_t M = a.size(-2), K = a.size(-1), N = b.size(-1);
+  const int64_t batch = M * K > 0 ? a.numel() / (M * K) : 0;
+  const int64_t rows = a.scalar_type() == at::kFloat
+                           ? inv.fp32_min_rows
+                           : std::max<int64_t>(2, inv.torch_own_macs / std::max<int64_t>(1, batch * K * N) + 1);
+  at::Tensor padded = a;
+  if (M < rows) {
+    std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end());
+    shape[shape.size() - 2] = rows - M;
+    padded = at::cat({a, a.narrow(-2, 0, 1).expand(shape)}, -2);
+  }
+  return at::matmul(padded, b).narrow(-2, 0, M);
+}
+
+// parts [Hkv, n, ...] summed over dim 1 pairwise (zeros appended up to a power of two), as sum_blocks
+at::Tensor sum_blocks(at::Tensor parts) {
+  const int64_t n = parts.size(1);
+  int64_t width = 1;
+  while (width < n) {
+    width <<= 1;
+  }
+  if (width > n) {
+    std::vector<int64_t> shape(parts.sizes().begin(), parts.sizes().end());
+    shape[1] = width - n;
+    parts = at::cat({parts, parts.new_zeros(shape)}, 1);
+  }
+  while (parts.size(1) > 1) {
+    parts = parts.slice(1, 0, parts.size(1), 2) + parts.slice(1, 1, parts.size(1), 2);
+  }
+  return parts.select(1, 0);
+}
+
+// attention of q [H, T, hd] over a layer's keys, values [Hkv, slots, hd], each row over its own keys (RowKeys:
+// shared, bias [T, shared + W], tail [T, W] or undefined, end), block by block, as block_attention: [H, T, hd]
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t shared,
+                           const at::Tensor& bias, const std::optional<at::Tensor>& tail, int64_t end, double scale,
+                           const Invariance& inv) {
+  const int64_t H = q.size(0), T = q.size(1), hd = q.size(2);
+  const int64_t Hkv = keys.size(0), G = H / Hkv, B = inv.block, nS = shared / B;
+  const int64_t span = std::max(shared, end);
+  at::Tensor k = keys.slice(1, 0, span).contiguous();  // [Hkv, span, hd]
+  at::Tensor scores = invariant_matmul(q.reshape({Hkv, G * T, hd}), k.transpose(1, 2), inv).view({Hkv, G, T, span});
+  at::Tensor v_t;
+  int64_t W = 0;
+  if (tail) {
+    W = tail->size(1);
+    at::Tensor gathered = scores.slice(-1, shared).gather(-1, tail->expand({Hkv, G, T, W}));  // [Hkv, G, T, W]
+    scores = at::cat({scores.slice(-1, 0, shared), gathered}, -1);  // [Hkv, G, T, shared + W]
+    v_t = values.index_select(1, tail->flatten() + shared).view({Hkv, T, W, hd});
+  }
+  scores = at::add(bias, scores, scale);  // float32, -inf past each row's keys
+  at::Tensor p = at::softmax(scores, -1).to(q.scalar_type());  // [Hkv, G, T, positions]
+  at::Tensor p_in = p.slice(-1, 0, shared).reshape({Hkv, G * T, nS, B}).transpose(1, 2);  // [Hkv, nS, G*T, B]
+  at::Tensor v_in = values.slice(1, 0, shared).contiguous().view({Hkv, nS, B, hd});
+  at::Tensor parts = invariant_matmul(p_in, v_in, inv).view({Hkv, nS, G, T, hd});
+  if (tail) {
+    const int64_t nW = W / B;
+    at::Tensor p_t = p.slice(-1, shared).reshape({Hkv, G, T, nW, B}).permute({0, 2, 3, 1, 4});  // [Hkv, T, nW, G, B]
+    at::Tensor parts_t = invariant_matmul(p_t, v_t.view({Hkv, T, nW, B, hd}), inv);  // [Hkv, T, nW, G, hd]
+    parts = at::cat({parts, parts_t.permute({0, 2, 3, 1, 4})}, 1);  // [Hkv, nS + nW, G, T, hd]
+  }
+  return sum_blocks(parts.to(at::kFloat)).to(q.scalar_type()).reshape({H, T, hd});
+}
+
 }  // namespace
 
 struct Stack : torch::CustomClassHolder {
@@ -58,13 +133,17 @@ struct Stack : torch::CustomClassHolder {
   int64_t act_dtype;  // ATen ScalarType code of the packed kernels' activations
   int64_t n_heads, n_kv_heads;
   double eps;
+  Invariance inv;  // the batch-invariant attention's constants (a call with row keys uses them)
 
   Stack(std::vector<at::Tensor> norms, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
         std::vector<at::Tensor> aux, std::vector<at::Tensor> biases, std::vector<int64_t> group_sizes,
-        std::vector<int64_t> doubled, int64_t act_dtype, int64_t n_heads, int64_t n_kv_heads, double eps)
+        std::vector<int64_t> doubled, int64_t act_dtype, int64_t n_heads, int64_t n_kv_heads, double eps,
+        std::vector<int64_t> invariance)
       : norms(std::move(norms)), kinds(std::move(kinds)), weights(std::move(weights)), aux(std::move(aux)),
         biases(std::move(biases)), group_sizes(std::move(group_sizes)), doubled(std::move(doubled)),
         act_dtype(act_dtype), n_heads(n_heads), n_kv_heads(n_kv_heads), eps(eps) {
+    TORCH_CHECK(invariance.size() == 3, "casspec Stack: block, float32 min rows, torch's own MACs");
+    inv = Invariance{invariance[0], invariance[1], invariance[2]};
     const size_t slots = kSlots * (this->norms.size() / 2);
     TORCH_CHECK(this->kinds.size() == slots && this->weights.size() == slots && this->aux.size() == slots &&
                     this->biases.size() == slots && this->group_sizes.size() == slots &&
@@ -92,11 +171,15 @@ struct Stack : torch::CustomClassHolder {
 
   // x [T, D]: the residual stream after the embedding. k_all, v_all [L, Hkv, S, hd]: the cache, written at slots
   // [start, start + T), read over [0, end). cos, sin [T, hd] (sin signed: Transformer.sin). mask [T, end] bool or
-  // none (is_causal: causal prefill). dense_kernel: kBlas or kMkl for this call's dense products. Returns (x,
-  // delta): the residual stream and the last sublayer's output, not yet added (the caller's final norm adds them).
+  // none (is_causal: causal prefill). dense_kernel: kBlas or kMkl for this call's dense products. rows_bias
+  // given: the batch-invariant attention over each row's keys (RowKeys: rows_shared, rows_bias, rows_tail,
+  // rows_end) instead of SDPA. Returns (x, delta): the residual stream and the last sublayer's output, not yet
+  // added (the caller's final norm adds them).
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, int64_t dense_kernel, at::Tensor k_all, at::Tensor v_all,
                                          at::Tensor cos, at::Tensor sin, int64_t start, int64_t end,
-                                         std::optional<at::Tensor> mask, bool is_causal) const {
+                                         std::optional<at::Tensor> mask, bool is_causal,
+                                         std::optional<at::Tensor> rows_bias, std::optional<at::Tensor> rows_tail,
+                                         int64_t rows_shared, int64_t rows_end) const {
     TORCH_CHECK(dense_kernel == kBlas || dense_kernel == kMkl, "casspec Stack: dense kernel 1 (blas) or 2 (mkl)");
     const int64_t n_layers = static_cast<int64_t>(norms.size()) / 2;
     const int64_t T = x.size(0);
@@ -149,9 +232,12 @@ struct Stack : torch::CustomClassHolder {
       at::Tensor v_layer = v_all.select(0, i);
       k_layer.slice(1, start, start + T).copy_(k);
       v_layer.slice(1, start, start + T).copy_(v);
-      at::Tensor o = at::scaled_dot_product_attention(
-          q.unsqueeze(0), k_layer.slice(1, 0, end).unsqueeze(0), v_layer.slice(1, 0, end).unsqueeze(0), mask, 0.0,
-          is_causal, std::nullopt, gqa)[0];  // [H, T, hd]
+      at::Tensor o = rows_bias ? block_attention(q, k_layer, v_layer, rows_shared, *rows_bias, rows_tail, rows_end,
+                                                 std::pow(static_cast<double>(hd), -0.5), inv)
+                               : at::scaled_dot_product_attention(
+                                     q.unsqueeze(0), k_layer.slice(1, 0, end).unsqueeze(0),
+                                     v_layer.slice(1, 0, end).unsqueeze(0), mask, 0.0, is_causal, std::nullopt,
+                                     gqa)[0];  // [H, T, hd]
       delta = product(o.transpose(0, 1).reshape({T, n_heads * hd}), s + 3, dense_kernel);
       // MLP
       x = x + delta;
@@ -175,6 +261,6 @@ TORCH_LIBRARY(casspec, m) {
   m.class_<Stack>("Stack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                       int64_t, int64_t, int64_t, double>())
+                       int64_t, int64_t, int64_t, double, std::vector<int64_t>>())
       .def("run", &Stack::run);
 }

@@ -13,6 +13,7 @@ unfinished gets a CasspecError (waiting would deadlock). `last_result` is per th
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from dsia.errors import CasspecError
-from dsia.fastloop import Stacks, build_error
+from dsia.fastloop import Stacks, build_error, built
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
@@ -106,6 +107,9 @@ class Engine:
             model = model.with_pointwise(compiled_pointwise())
         stacked = not cuda if fast_layers is None else fast_layers
         if stacked:
+            if not built():
+                print("casspec: building the C++ layer loop (once per machine, about 15 s; --no-fast-layers runs the "
+                      "Python one)", file=sys.stderr)
             error = build_error()
             if error is not None and fast_layers:
                 raise CasspecError(f"the C++ layer loop did not build ({error}): install a C++ compiler and ninja, "

@@ -55,6 +55,15 @@ def build_error() -> str | None:
     return None
 
 
+def built() -> bool:
+    """Whether a build of the C++ layer loop lies in torch's extension cache (False: the first use builds it)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        return (Path(_get_build_directory(EXTENSION, False)) / f"{EXTENSION}.so").is_file()
+    except Exception:  # (a private helper of torch's: where it is gone, nothing is said before a build)
+        return True
+
+
 class Unsupported(Exception):
     """A plan the C++ loop does not run (the Python loop does)."""
 

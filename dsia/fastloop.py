@@ -123,9 +123,9 @@ def _dense_slot(model: Transformer, w: Tensor, bias: Tensor | None) -> Slot:
 
 
 def _linear_slot(model: Transformer, plan: Plan, i: int, name: str) -> Slot:
-    """Projection `name` of layer i, as Transformer._linear runs it."""
-    lw, native = model.layers[i], model.native or Plan()
-    kernel = plan.linears.get((i, name), native.linears.get((i, name)))
+    """Projection `name` of layer i, with the kernel Transformer.linear_kernel chooses."""
+    lw = model.layers[i]
+    kernel = model.linear_kernel(i, name, plan)
     bias = lw.bias.get(name)
     if kernel is not None:
         return _packed_slot(kernel, bias)
@@ -133,17 +133,11 @@ def _linear_slot(model: Transformer, plan: Plan, i: int, name: str) -> Slot:
 
 
 def _layer_slots(model: Transformer, plan: Plan, i: int) -> list[Slot]:
-    """Layer i's seven product slots, as Transformer._fused / _linear choose its kernels."""
+    """Layer i's seven product slots, with the kernels Transformer.fused_product / linear_kernel choose."""
     lw = model.layers[i]
     slots = {"o": _linear_slot(model, plan, i, "o"), "down": _linear_slot(model, plan, i, "down")}
     for group, parts in FUSED_GROUPS.items():
-        kernel = plan.fused.get((i, group))
-        dense = None
-        if kernel is None and not any((i, p) in plan.linears for p in parts):
-            if model.native is not None:
-                kernel = model.native.fused.get((i, group))
-            else:
-                dense = lw.wqkv if group == "qkv" else lw.w_gate_up
+        kernel, dense = model.fused_product(i, group, lw.wqkv if group == "qkv" else lw.w_gate_up, parts, plan)
         if kernel is None and dense is None:  # one product per part
             slots.update({p: _linear_slot(model, plan, i, p) for p in parts})
             continue

@@ -467,11 +467,29 @@ class Transformer:
             return functools.partial(invariant_linear, self.dense)
         return self.dense
 
-    def _linear(self, i: int, name: str, x: Tensor, w: Tensor, plan: Plan) -> Tensor:
-        b = self.layers[i].bias.get(name)
+    def linear_kernel(self, i: int, name: str, plan: Plan) -> Callable[[Tensor], Tensor] | None:
+        """The kernel that runs projection `name` of layer i: the plan's, else the target's native one; None: the
+        dense weight (the one home of this choice: the Python loop and dsia/fastloop.py read it)."""
         fn = plan.linears.get((i, name)) if plan.linears else None
         if fn is None and self.native is not None:
             fn = self.native.linears.get((i, name))
+        return fn
+
+    def fused_product(self, i: int, key: str, weight: Tensor | None, parts: tuple[str, ...],
+                      plan: Plan) -> tuple[Callable[[Tensor], Tensor] | None, Tensor | None]:
+        """One product for the projections `parts` of layer i, as (kernel, None): the plan's fused kernel, else
+        (where the plan replaces none of the parts) the native target's; or (None, weight): the layer's own fused
+        dense weight (where it has one); (None, None): one product per part."""
+        fn = plan.fused.get((i, key)) if plan.fused else None
+        if fn is None and not any((i, n) in plan.linears for n in parts):
+            if self.native is not None:  # the target's own fused kernel, else one product per part (None)
+                return self.native.fused.get((i, key)), None
+            return None, weight
+        return fn, None
+
+    def _linear(self, i: int, name: str, x: Tensor, w: Tensor, plan: Plan) -> Tensor:
+        b = self.layers[i].bias.get(name)
+        fn = self.linear_kernel(i, name, plan)
         if fn is not None:
             y = fn(x)
             return y if b is None else y + b
@@ -479,15 +497,9 @@ class Transformer:
 
     def _fused(self, i: int, key: str, weight: Tensor | None, parts: tuple[str, ...],
                plan: Plan) -> Callable[[Tensor], Tensor] | None:
-        """One product for the projections `parts` of layer i: the plan's fused kernel, else the target's own fused
-        weight (where the layer has one and the plan replaces none of the parts), else None (one product each)."""
-        fn = plan.fused.get((i, key)) if plan.fused else None
-        if fn is None and not any((i, n) in plan.linears for n in parts):
-            if self.native is not None:  # the target's own fused kernel, else one product per part (None)
-                return self.native.fused.get((i, key))
-            if weight is not None:
-                fn = functools.partial(self._dense(plan), w=weight)
-        return fn
+        """One product for the projections `parts` of layer i (`fused_product`), callable; None: one each."""
+        fn, dense = self.fused_product(i, key, weight, parts, plan)
+        return functools.partial(self._dense(plan), w=dense) if dense is not None else fn
 
     def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, kv: KvAccess, cos: Tensor,
                    sin: Tensor, plan: Plan) -> Tensor:

@@ -33,6 +33,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * xf.to(x.scalar_type());
 }
 
+// RoPE of x [heads, T, hd] with the signed sin table (dsia/model.py rope): x * cos + roll(x, hd / 2) * sin
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return x * cos + at::roll(x, {x.size(-1) / 2}, {-1}) * sin;
+}
+
 std::optional<at::Tensor> maybe(const at::Tensor& t) {
   return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
 }
@@ -143,6 +148,9 @@ struct Stack : torch::CustomClassHolder {
         biases(std::move(biases)), group_sizes(std::move(group_sizes)), doubled(std::move(doubled)),
         act_dtype(act_dtype), n_heads(n_heads), n_kv_heads(n_kv_heads), eps(eps) {
     TORCH_CHECK(invariance.size() == 3, "casspec Stack: block, float32 min rows, torch's own MACs");
+    for (int64_t kind : this->kinds) {
+      TORCH_CHECK(kind == kNone || kind == kPacked || kind == kDense, "casspec Stack: unknown product kind ", kind);
+    }
     inv = Invariance{invariance[0], invariance[1], invariance[2]};
     const size_t slots = kSlots * (this->norms.size() / 2);
     TORCH_CHECK(this->kinds.size() == slots && this->weights.size() == slots && this->aux.size() == slots &&
@@ -200,7 +208,7 @@ struct Stack : torch::CustomClassHolder {
         auto parts = product(h, s, dense_kernel).split_with_sizes({(n_heads + n_kv_heads) * hd, n_kv_heads * hd}, -1);
         at::Tensor qk = parts[0].reshape({T, n_heads + n_kv_heads, hd}).transpose(0, 1);  // [H + Hkv, T, hd]
         v = parts[1].reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
-        qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;
+        qk = rope(qk, cos, sin);
         auto qk_parts = qk.split_with_sizes({n_heads, n_kv_heads});
         q = qk_parts[0];
         k = qk_parts[1];
@@ -225,8 +233,8 @@ struct Stack : torch::CustomClassHolder {
         q = q.reshape({T, n_heads, hd}).transpose(0, 1);  // [H, T, hd]
         k = k.reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
         v = v.reshape({T, n_kv_heads, hd}).transpose(0, 1);
-        q = q * cos + at::roll(q, {hd / 2}, {-1}) * sin;
-        k = k * cos + at::roll(k, {hd / 2}, {-1}) * sin;
+        q = rope(q, cos, sin);
+        k = rope(k, cos, sin);
       }
       at::Tensor k_layer = k_all.select(0, i);  // [Hkv, S, hd]
       at::Tensor v_layer = v_all.select(0, i);

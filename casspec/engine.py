@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dsia.errors import CasspecError
-from dsia.fastloop import Stacks, build_error, built
+from dsia.fastloop import Stacks, build_error, built, cxx_pointwise
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
@@ -117,6 +117,8 @@ class Engine:
             stacked = error is None
         if stacked:
             model = model.with_stacks(Stacks())
+            if not compiled:  # the small steps of a float32 forward by the same library's ops, in both loops
+                model = model.with_pointwise(cxx_pointwise())
         if max_context is not None and max_context < 2:
             raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         if graphs is None:
@@ -444,7 +446,7 @@ class Engine:
         cache, dev = self.cache, self.device
         start, n = cache.length, len(ids)
         logits = self.model.forward(cache, torch.tensor(ids[start:], device=dev), torch.arange(start, n, device=dev),
-                                    start, logits_rows=slice(n - 1 - start, n - start))
+                                    start, logits_rows=slice(n - 1 - start, n - start), prefill=True)
         cache.commit(list(range(n - start)))
         return logits
 

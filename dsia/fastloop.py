@@ -26,14 +26,14 @@ from torch import Tensor
 
 from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import kernel_for, mkl_packed
-from .model import FUSED_GROUPS, KvAccess, Transformer
+from .model import EAGER, FUSED_GROUPS, KvAccess, Pointwise, Transformer
 from .plan import Plan
 from .quant import FusedLinear, Int4Linear, Int8GroupLinear
 
 if TYPE_CHECKING:
     from .kvcache import KVCache
 
-SOURCE = Path(__file__).parent / "csrc" / "layers.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "ops.cpp")]
 EXTENSION = "casspec_layers"  # the built library's name (torch's extension cache rebuilds it when the source changes)
 SLOTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's product slots (q holds q|k|v where fused, gate gate|up)
 NONE, PACKED, DENSE = -1, 0, 1  # a slot's kind: empty (a part of a fused product), packed 4-bit, dense weight
@@ -48,7 +48,10 @@ def build_error() -> str | None:
     holds it, else why not (the Python loop then runs every forward)."""
     try:
         from torch.utils.cpp_extension import load
-        load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=["-O2"], is_python_module=False, verbose=False)
+        # (-ffp-contract=off: no multiply-add is fused where the source has a product and a sum, so ops.cpp's RoPE
+        # is ATen's bits and its sums the same on every machine)
+        load(name=EXTENSION, sources=[str(s) for s in SOURCES], extra_cflags=["-O2", "-ffp-contract=off"],
+             is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a header mismatch: the Python loop is the same computation
         first = str(e).strip().splitlines()
         return f"{type(e).__name__}: {first[0] if first else ''}"
@@ -105,7 +108,8 @@ class LayerStack:
         rows = kv.rows  # the batch-invariant attention's keys of each row (None: SDPA)
         return self.stack.run(x, DENSE_KERNELS[name], cache.k, cache.v, cos, sin, kv.start, kv.end, kv.mask,
                               kv.is_causal, None if rows is None else rows.bias, None if rows is None else rows.tail,
-                              0 if rows is None else rows.shared, 0 if rows is None else rows.end)
+                              0 if rows is None else rows.shared, 0 if rows is None else rows.end,
+                              model.pointwise.attention is not None, kv.own)
 
 
 def _packed_slot(kernel: object, bias: Tensor | None) -> Slot:
@@ -185,3 +189,34 @@ class Stacks:
         if found is None or found[0] is not model.native:
             found = self._of[plan] = (model.native, layer_stack(model, plan))
         return found[1]
+
+
+def _float32_cpu(*xs: Tensor) -> bool:
+    return all(x.dtype == torch.float32 and x.device.type == "cpu" for x in xs)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.dim() == 2 and _float32_cpu(x) and x.stride(1) == 1:
+        return torch.ops.casspec.rms_norm(x, weight, eps)
+    return EAGER.rms_norm(x, weight, eps)  # (q/k norms over [T, heads, hd], other dtypes)
+
+
+def _add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if x.dim() == 2 and _float32_cpu(x, delta) and x.stride(1) == 1 and delta.stride(1) == 1:
+        return torch.ops.casspec.add_rms_norm(x, delta, weight, eps)
+    return EAGER.add_rms_norm(x, delta, weight, eps)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    if x.dim() == 3 and _float32_cpu(x) and x.stride(2) == 1:
+        return torch.ops.casspec.rope(x, cos, sin)
+    return EAGER.rope(x, cos, sin)
+
+
+@functools.cache
+def cxx_pointwise() -> Pointwise:
+    """The forward's small steps by casspec's C++ ops where they take the tensors (float32 on a CPU: RMSNorm with
+    the residual add, RoPE, and each row's attention over its own keys), else eagerly. The C++ loop calls the same
+    ops for a model with this Pointwise, so both loops give the same bits. Needs the build (`build_error()` None)."""
+    return dataclasses.replace(EAGER, rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, rope=_rope,
+                               attention=torch.ops.casspec.attention)

@@ -122,6 +122,7 @@ class KvAccess:
     mask: Tensor | None = None  # [T, end] or [T, capacity + spare] bool
     is_causal: bool = False  # plain causal prefill at slot 0
     rows: RowKeys | None = None  # in place of the mask, each row's keys for the batch-invariant attention
+    own: bool = False  # attend with Pointwise.attention (over `mask`, None: causal by slot) instead of SDPA
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -165,13 +166,17 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[
 
 @dataclass(frozen=True)
 class Pointwise:
-    """The forward's elementwise steps. Eagerly each is several kernels (an RMSNorm is eight); on a GPU, where a
-    small model's step is its kernel launches, `compiled_pointwise` makes each one kernel."""
+    """The forward's small steps. Eagerly each is several kernels (an RMSNorm is eight); on a GPU, where a small
+    model's step is its kernel launches, `compiled_pointwise` makes each one kernel; on a CPU, where each costs
+    microseconds of dispatch, casspec's C++ ops (dsia/fastloop.py `cxx_pointwise`) make each one loop."""
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     rope: Callable[[Tensor, Tensor, Tensor], Tensor]
     silu_mul: Callable[[Tensor, Tensor], Tensor]
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     rope_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor]
+    # q [H, T, hd], a layer's keys and values [Hkv, S, hd], end, mask [T, end] bool | None (causal by slot), scale ->
+    # [T, H*hd], each row over its own keys whatever the other rows (float32 on a CPU); None: SDPA's attention
+    attention: Callable[[Tensor, Tensor, Tensor, int, Tensor | None, float], Tensor] | None = None
 
 
 EAGER = Pointwise(rms_norm, rope, silu_mul, add_rms_norm, rope_kv)
@@ -372,7 +377,8 @@ class Transformer:
     # ------------------------------------------------------------------ forward
     def forward(self, cache: KVCache, tokens: Tensor, positions: Tensor, start: int,
                 scratch_mask: Tensor | None = None, plan: Plan = TARGET,
-                logits_rows: Tensor | slice | None = None, visible_prefix: int | None = None) -> Tensor:
+                logits_rows: Tensor | slice | None = None, visible_prefix: int | None = None,
+                prefill: bool = False) -> Tensor:
         """Run T new tokens on top of the committed prefix and return their logits.
 
         tokens, positions: [T] (positions are absolute, e.g. prefix length + tree depth).
@@ -382,6 +388,8 @@ class Transformer:
         logits_rows: which of the T rows need logits (None = all). Returns logits [N, V] in float32.
         visible_prefix: only committed slots [0, visible_prefix) are visible (default: all of them); used to
             re-score already committed tokens teacher-forced in scratch (e.g. the skip-set search).
+        prefill: a prompt's forward, whose rows no method compares with a step's (a batch-invariant target may
+            attend over them with SDPA where its own attention would be slower, see `_attention_of`).
         """
         T = tokens.shape[0]
         end = start + T
@@ -391,15 +399,27 @@ class Transformer:
             logits = self.graphs.run(cache, tokens, positions, start, scratch_mask, plan, logits_rows)
             if logits is not None:
                 return logits
-        if self.batch_invariant and plan.is_target:
+        kernel = self._attention_of(T, plan, prefill)
+        if kernel == "rows":
             rows = row_keys(cache.length, start, T, scratch_mask, visible_prefix, self.device)
             cache.reserve(max(end, rows.shared))
             kv = KvAccess(start=start, end=end, rows=rows)
         else:
             cache.reserve(end)
             mask = self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
-            kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1)  # causal: prefill at 0
+            kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1,  # causal: prefill at 0
+                          own=kernel == "own")
         return self._layers(cache, tokens, positions, kv, plan, logits_rows)
+
+    def _attention_of(self, T: int, plan: Plan, prefill: bool) -> str:
+        """Which attention a forward over T rows runs: "own" (Pointwise.attention: each row over its own keys, one
+        loop), "rows" (the batch-invariant block_attention) or "sdpa". A batch-invariant target attends with its own
+        where the Pointwise has one (every row alike, but for a prompt's: SDPA is faster over many rows), else by
+        blocks; any other forward with its own over one row (where it is faster than SDPA's), SDPA over more."""
+        own = self.pointwise.attention is not None and self.dtype == torch.float32 and self.device.type == "cpu"
+        if self.batch_invariant and plan.is_target and not (prefill and own):
+            return "own" if own else "rows"
+        return "own" if own and T == 1 else "sdpa"
 
     def forward_slots(self, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
                       plan: Plan = TARGET) -> Tensor:
@@ -549,6 +569,9 @@ class Transformer:
         [T, D]."""
         s = self.spec
         T = q.shape[1]
+        if kv.own:  # each row over its own keys, one loop
+            o = self.pointwise.attention(q, cache.k[i], cache.v[i], kv.end, kv.mask, s.head_dim ** -0.5)  # [T, H*hd]
+            return self._linear(i, "o", o, lw.wo, plan)
         if kv.rows is not None:  # batch-invariant: each row over its own keys, block by block
             o = block_attention(q, cache.k[i], cache.v[i], kv.rows, s.head_dim ** -0.5)  # [H, T, hd]
         else:

@@ -6,6 +6,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -181,26 +183,42 @@ struct Stack : torch::CustomClassHolder {
   // [start, start + T), read over [0, end). cos, sin [T, hd] (sin signed: Transformer.sin). mask [T, end] bool or
   // none (is_causal: causal prefill). dense_kernel: kBlas or kMkl for this call's dense products. rows_bias
   // given: the batch-invariant attention over each row's keys (RowKeys: rows_shared, rows_bias, rows_tail,
-  // rows_end) instead of SDPA. Returns (x, delta): the residual stream and the last sublayer's output, not yet
-  // added (the caller's final norm adds them).
+  // rows_end) instead of SDPA. ops: a float32 call's norms and RoPE by casspec's own ops (ops.cpp), as the model's
+  // Pointwise runs them in the Python loop; own_attention: its attention too (casspec::attention over `mask`, in
+  // place of SDPA and of the rows' attention). Returns (x, delta): the residual stream and the last sublayer's
+  // output, not yet added (the caller's final norm adds them).
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, int64_t dense_kernel, at::Tensor k_all, at::Tensor v_all,
                                          at::Tensor cos, at::Tensor sin, int64_t start, int64_t end,
                                          std::optional<at::Tensor> mask, bool is_causal,
                                          std::optional<at::Tensor> rows_bias, std::optional<at::Tensor> rows_tail,
-                                         int64_t rows_shared, int64_t rows_end) const {
+                                         int64_t rows_shared, int64_t rows_end, bool ops, bool own_attention) const {
     TORCH_CHECK(dense_kernel == kBlas || dense_kernel == kMkl, "casspec Stack: dense kernel 1 (blas) or 2 (mkl)");
     const int64_t n_layers = static_cast<int64_t>(norms.size()) / 2;
     const int64_t T = x.size(0);
     const int64_t hd = k_all.size(3);
     const bool gqa = n_heads != n_kv_heads;
+    const bool own = ops && x.scalar_type() == at::kFloat;  // casspec's ops run this call's norms and RoPE
+    TORCH_CHECK(!own_attention || own, "casspec Stack: its own attention takes float32 with its ops");
+    // (x + delta, its norm) as the Python loop's Pointwise.add_rms_norm, or the first layer's norm of x
+    auto residual_norm = [&](const at::Tensor& delta, const at::Tensor& weight) -> std::tuple<at::Tensor, at::Tensor> {
+      if (own) {
+        if (delta.defined()) {
+          return casspec::add_rms_norm(x, delta, weight, eps);
+        }
+        return {x, casspec::rms_norm(x, weight, eps)};
+      }
+      at::Tensor sum = delta.defined() ? x + delta : x;
+      return {sum, rms_norm(sum, weight, eps)};
+    };
+    auto rotate = [&](const at::Tensor& t, const at::Tensor& c, const at::Tensor& s) {
+      return own ? casspec::rope(t, c, s) : rope(t, c, s);
+    };
     at::Tensor delta;  // the last sublayer's output, added to x together with the next norm
     for (int64_t i = 0; i < n_layers; ++i) {
       const int64_t s = kSlots * i;
       // attention: q, k, v [heads, T, hd], RoPE (dsia/model.py rope), K/V written, attended, projected
-      if (delta.defined()) {
-        x = x + delta;
-      }
-      at::Tensor h = rms_norm(x, norms[2 * i], eps);
+      at::Tensor h;
+      std::tie(x, h) = residual_norm(delta, norms[2 * i]);
       at::Tensor q, k, v;
       const bool fused = kinds[s + 1] == kNone;
       const bool biased = biases[s].numel() > 0 || biases[s + 1].numel() > 0 || biases[s + 2].numel() > 0;
@@ -208,7 +226,7 @@ struct Stack : torch::CustomClassHolder {
         auto parts = product(h, s, dense_kernel).split_with_sizes({(n_heads + n_kv_heads) * hd, n_kv_heads * hd}, -1);
         at::Tensor qk = parts[0].reshape({T, n_heads + n_kv_heads, hd}).transpose(0, 1);  // [H + Hkv, T, hd]
         v = parts[1].reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
-        qk = rope(qk, cos, sin);
+        qk = rotate(qk, cos, sin);
         auto qk_parts = qk.split_with_sizes({n_heads, n_kv_heads});
         q = qk_parts[0];
         k = qk_parts[1];
@@ -233,23 +251,28 @@ struct Stack : torch::CustomClassHolder {
         q = q.reshape({T, n_heads, hd}).transpose(0, 1);  // [H, T, hd]
         k = k.reshape({T, n_kv_heads, hd}).transpose(0, 1);  // [Hkv, T, hd]
         v = v.reshape({T, n_kv_heads, hd}).transpose(0, 1);
-        q = rope(q, cos, sin);
-        k = rope(k, cos, sin);
+        q = rotate(q, cos, sin);
+        k = rotate(k, cos, sin);
       }
       at::Tensor k_layer = k_all.select(0, i);  // [Hkv, S, hd]
       at::Tensor v_layer = v_all.select(0, i);
       k_layer.slice(1, start, start + T).copy_(k);
       v_layer.slice(1, start, start + T).copy_(v);
-      at::Tensor o = rows_bias ? block_attention(q, k_layer, v_layer, rows_shared, *rows_bias, rows_tail, rows_end,
-                                                 std::pow(static_cast<double>(hd), -0.5), inv)
-                               : at::scaled_dot_product_attention(
-                                     q.unsqueeze(0), k_layer.slice(1, 0, end).unsqueeze(0),
-                                     v_layer.slice(1, 0, end).unsqueeze(0), mask, 0.0, is_causal, std::nullopt,
-                                     gqa)[0];  // [H, T, hd]
-      delta = product(o.transpose(0, 1).reshape({T, n_heads * hd}), s + 3, dense_kernel);
+      const double scale = std::pow(static_cast<double>(hd), -0.5);
+      at::Tensor o;  // [T, H*hd]
+      if (own_attention) {
+        o = casspec::attention(q, k_layer, v_layer, end, mask, scale);
+      } else {
+        o = rows_bias ? block_attention(q, k_layer, v_layer, rows_shared, *rows_bias, rows_tail, rows_end, scale, inv)
+                      : at::scaled_dot_product_attention(
+                            q.unsqueeze(0), k_layer.slice(1, 0, end).unsqueeze(0),
+                            v_layer.slice(1, 0, end).unsqueeze(0), mask, 0.0, is_causal, std::nullopt,
+                            gqa)[0];  // [H, T, hd]
+        o = o.transpose(0, 1).reshape({T, n_heads * hd});
+      }
+      delta = product(o, s + 3, dense_kernel);
       // MLP
-      x = x + delta;
-      h = rms_norm(x, norms[2 * i + 1], eps);
+      std::tie(x, h) = residual_norm(delta, norms[2 * i + 1]);
       at::Tensor gate, up;
       if (kinds[s + 5] == kNone) {  // one gate|up product
         auto parts = product(h, s + 4, dense_kernel, false).chunk(2, -1);

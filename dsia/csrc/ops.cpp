@@ -1,0 +1,346 @@
+// A float32 forward's small steps as one loop each, for the CPU (torch.ops.casspec.*): RMSNorm (with the residual
+// add before it), RoPE and attention. Called from ATen each of them is several operations of microseconds over a
+// few hundred numbers (an RMSNorm is eight); here one. Both layer loops call these (dsia/fastloop.py: the C++ loop
+// directly, the Python loop through the ops), so the two give the same bits.
+//
+// Every row is computed by the same code whatever the rows beside it, in a fixed order: the attention of a query
+// row sums over its own keys in position order (masked ones skipped, not zeroed), so a tree's row and a one-token
+// step over the same keys give the same bits (batch-invariant by construction). Sums run in 16 lanes (a vector
+// of 16 floats, however wide the machine's registers) folded in a fixed order; built with -ffp-contract=off, no
+// multiply-add is fused behind the code's back, so RoPE is the bits of ATen's x * cos + roll(x) * sin.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace casspec {
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRowBlock = 16;  // query rows an attention task takes together (each key read once for them)
+typedef float v16 __attribute__((vector_size(64), aligned(4)));  // 16 floats, unaligned loads and stores
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
+
+[[gnu::always_inline]] inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// the n <= 16 floats at p, zeros after them (a row's tail goes through the same lanes as the rest)
+[[gnu::always_inline]] inline v16 load(const float* p, int64_t n) {
+  if (n == kLanes) {
+    return load(p);
+  }
+  v16 v = {};
+  for (int64_t i = 0; i < n; ++i) {
+    v[i] = p[i];
+  }
+  return v;
+}
+
+[[gnu::always_inline]] inline void store(float* p, v16 v, int64_t n = kLanes) {
+  if (n == kLanes) {
+    std::memcpy(p, &v, sizeof(v));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = v[i];
+  }
+}
+
+// the lanes' sum, folded in halves: lane i + lane i + 8, then + 4, + 2, + 1
+[[gnu::always_inline]] inline float fold(v16 v) {
+  v = v + __builtin_shuffle(v, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v = v + __builtin_shuffle(v, i16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v = v + __builtin_shuffle(v, i16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v = v + __builtin_shuffle(v, i16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// e^x in every lane (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); 0 below -87.3
+[[gnu::always_inline]] inline v16 vexp(v16 x) {
+  const v16 big = v16{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  v16 n = (x * 1.44269504088896341f + big) - big;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  i16 ni = __builtin_convertvector(n, i16);
+  i16 bits = (ni + 127) << 23;
+  v16 scaled = p * reinterpret_cast<v16&>(bits);
+  i16 under = x < -87.3f;  // -1 where e^x is below float's normal range
+  i16 kept = reinterpret_cast<i16&>(scaled) & ~under;
+  return reinterpret_cast<v16&>(kept);
+}
+
+// one row: out = w * (x * 1 / sqrt(mean(x^2) + eps)), HF's order of the two products
+void norm_row(const float* x, const float* w, float* out, int64_t D, double eps) {
+  v16 acc = {};
+  for (int64_t j = 0; j < D; j += kLanes) {
+    v16 v = load(x + j, std::min(kLanes, D - j));
+    acc += v * v;
+  }
+  const float r = 1.0f / std::sqrt(fold(acc) / static_cast<float>(D) + static_cast<float>(eps));
+  for (int64_t j = 0; j < D; j += kLanes) {
+    const int64_t n = std::min(kLanes, D - j);
+    store(out + j, load(w + j, n) * (load(x + j, n) * r), n);
+  }
+}
+
+// Which keys each query row of an attention sees: mask [T, end] (bool, row-major), or none: row t sits at slot
+// end - T + t and sees every slot up to its own.
+struct Visible {
+  const bool* mask;  // or nullptr
+  int64_t T, end;
+  bool operator()(int64_t t, int64_t j) const { return mask ? mask[t * end + j] : j <= end - T + t; }
+};
+
+// Rows [r0, r1) (R of them), each with G query heads (row r, head h at q + r * q_row + h * q_head), attending over
+// the keys they see of one KV head: out row r, head h at out + r * out_row + h * hd. Each key and value is read
+// once for every row and head that sees it; each row's scores are kept in its own order of keys (position
+// order), so what a row gets does not depend on the rows beside it. C: the head's 16-float chunks, a constant for
+// the usual head dims (their chunks then stay in registers; 0: any hd up to 256).
+template <int64_t C>
+[[gnu::always_inline]] inline void attend_impl(const float* q, int64_t q_row, int64_t q_head, const float* keys,
+                                               int64_t k_stride, const float* values, int64_t v_stride,
+                                               const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd,
+                                               float scale, float* out, int64_t out_row) {
+  constexpr int64_t kMaxChunks = 16;  // head dims up to 256
+  const int64_t chunks = C > 0 ? C : (hd + kLanes - 1) / kLanes, R = r1 - r0;
+  auto width = [&](int64_t c) { return C > 0 && C * kLanes == hd ? kLanes : std::min(kLanes, hd - c * kLanes); };
+  // row r sees count[r] keys; its scores are G runs of padded[r] floats (count rounded up to 16) from first[r]
+  std::vector<int64_t> first(R + 1, 0), count(R, 0), padded(R);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < seen.end; ++j) {
+      count[r] += seen(r0 + r, j);
+    }
+    padded[r] = (count[r] + kLanes - 1) / kLanes * kLanes;
+    first[r + 1] = first[r] + G * padded[r];
+  }
+  std::vector<float> scores(first[R]);
+  // each row's heads' queries, in 16-float chunks (a float buffer: a vector type's alignment does not survive as a
+  // template argument)
+  std::vector<float> qv(R * G * chunks * kLanes);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t h = 0; h < G; ++h) {
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < chunks; ++c) {
+        store(qv.data() + ((r * G + h) * chunks + c) * kLanes,
+              load(q + (r0 + r) * q_row + h * q_head + c * kLanes, width(c)));
+      }
+    }
+  }
+  v16 part[kMaxChunks];
+  std::vector<int64_t> at(R, 0);  // each row's next score
+  for (int64_t j = 0; j < seen.end; ++j) {  // scores
+    bool any = false;
+    for (int64_t r = 0; r < R && !any; ++r) {
+      any = seen(r0 + r, j);
+    }
+    if (!any) {
+      continue;
+    }
+    const float* k = keys + j * k_stride;
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < chunks; ++c) {
+      part[c] = load(k + c * kLanes, width(c));
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      if (!seen(r0 + r, j)) {
+        continue;
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const float* qh = qv.data() + (r * G + h) * chunks * kLanes;
+        v16 d = load(qh) * part[0];
+#pragma GCC unroll 16
+        for (int64_t c = 1; c < chunks; ++c) {
+          d += load(qh + c * kLanes) * part[c];
+        }
+        scores[first[r] + h * padded[r] + at[r]] = fold(d) * scale;
+      }
+      ++at[r];
+    }
+  }
+  std::vector<float> total(R * G);
+  for (int64_t r = 0; r < R; ++r) {  // softmax's numerators e^(s - max), and their sum, per row and head
+    for (int64_t h = 0; h < G; ++h) {
+      float* p = scores.data() + first[r] + h * padded[r];
+      std::fill(p + count[r], p + padded[r], -std::numeric_limits<float>::infinity());
+      v16 most = load(p);
+      for (int64_t i = kLanes; i < padded[r]; i += kLanes) {
+        const v16 x = load(p + i);
+        most = x > most ? x : most;
+      }
+      float top = most[0];
+      for (int64_t i = 1; i < kLanes; ++i) {
+        top = std::max(top, most[i]);
+      }
+      v16 sum = {};
+      for (int64_t i = 0; i < padded[r]; i += kLanes) {
+        const v16 e = vexp(load(p + i) - top);
+        store(p + i, e);
+        sum += e;
+      }
+      total[r * G + h] = fold(sum);
+    }
+  }
+  std::vector<int64_t> slots;
+  for (int64_t r = 0; r < R; ++r) {  // the weighted sums of the values, in position order, per row and head
+    slots.clear();
+    for (int64_t j = 0; j < seen.end; ++j) {
+      if (seen(r0 + r, j)) {
+        slots.push_back(j);
+      }
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      const float* p = scores.data() + first[r] + h * padded[r];
+      v16 acc[kMaxChunks];
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < chunks; ++c) {
+        acc[c] = v16{};
+      }
+      for (int64_t i = 0; i < count[r]; ++i) {
+        const float* v = values + slots[i] * v_stride;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < chunks; ++c) {
+          acc[c] += p[i] * load(v + c * kLanes, width(c));
+        }
+      }
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < chunks; ++c) {
+        store(out + (r0 + r) * out_row + h * hd + c * kLanes, acc[c] / total[r * G + h], width(c));
+      }
+    }
+  }
+}
+
+// Compiled for AVX-512, AVX2 and the baseline, picked when the library loads: the same lane-wise float operations
+// in every one (no contraction into multiply-adds), so the same bits on every machine.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend(const float* q, int64_t q_row, int64_t q_head, const float* keys, int64_t k_stride, const float* values,
+            int64_t v_stride, const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale,
+            float* out, int64_t out_row) {
+  TORCH_CHECK(hd <= 256, "casspec attention: head dim over 256");
+  switch (hd) {
+    case 64:
+      return attend_impl<4>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
+                            out_row);
+    case 128:
+      return attend_impl<8>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
+                            out_row);
+    default:
+      return attend_impl<0>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
+                            out_row);
+  }
+}
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              "casspec ", what, ": float32 CPU rows [T, D] with unit stride");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  const at::Tensor w = weight.contiguous();
+  const int64_t T = x.size(0), D = x.size(1);
+  at::Tensor out = at::empty({T, D}, x.options());
+  for (int64_t t = 0; t < T; ++t) {
+    norm_row(x.data_ptr<float>() + t * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  check_rows(x, "add_rms_norm");
+  check_rows(delta, "add_rms_norm");
+  TORCH_CHECK(x.sizes() == delta.sizes(), "casspec add_rms_norm: x and delta of one shape");
+  const at::Tensor w = weight.contiguous();
+  const int64_t T = x.size(0), D = x.size(1);
+  at::Tensor sum = at::empty({T, D}, x.options());
+  at::Tensor out = at::empty({T, D}, x.options());
+  for (int64_t t = 0; t < T; ++t) {
+    const float* a = x.data_ptr<float>() + t * x.stride(0);
+    const float* b = delta.data_ptr<float>() + t * delta.stride(0);
+    float* s = sum.data_ptr<float>() + t * D;
+    for (int64_t j = 0; j < D; ++j) {
+      s[j] = a[j] + b[j];
+    }
+    norm_row(s, w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
+  }
+  return {sum, out};
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "casspec rope: float32 x [heads, T, hd] with unit stride");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  const int64_t H = x.size(0), T = x.size(1), hd = x.size(2), half = hd / 2;
+  at::Tensor out = at::empty({H, T, hd}, x.options());
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* in = x.data_ptr<float>() + h * x.stride(0) + t * x.stride(1);
+      const float* ct = c.data_ptr<float>() + t * hd;
+      const float* st = s.data_ptr<float>() + t * hd;
+      float* o = out.data_ptr<float>() + (h * T + t) * hd;
+      for (int64_t j = 0; j < hd; ++j) {  // roll(x, hd / 2)[j] = x[(j + hd / 2) mod hd]; sin's first half negated
+        o[j] = in[j] * ct[j] + in[j < half ? j + half : j - half] * st[j];
+      }
+    }
+  }
+  return out;
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t end,
+                     const std::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat && q.dim() == 3 && keys.dim() == 3 && q.stride(2) == 1 &&
+                  keys.stride(2) == 1 && values.stride(2) == 1,
+              "casspec attention: float32 q [H, T, hd], keys and values [Hkv, S, hd] with unit stride");
+  const int64_t H = q.size(0), T = q.size(1), hd = q.size(2), Hkv = keys.size(0), G = H / Hkv;
+  TORCH_CHECK(G * Hkv == H && end <= keys.size(1) && end >= T, "casspec attention: heads or slots out of range");
+  at::Tensor m;
+  if (mask) {
+    m = mask->to(at::kBool).contiguous();
+    TORCH_CHECK(m.size(0) == T && m.size(1) == end, "casspec attention: mask [T, end]");
+  }
+  at::Tensor out = at::empty({T, H * hd}, q.options());  // [T, H*hd]: the output projection's input
+  const Visible seen{m.defined() ? m.data_ptr<bool>() : nullptr, T, end};
+  const int64_t blocks = (T + kRowBlock - 1) / kRowBlock, items = Hkv * blocks;  // (KV head, block of rows)
+  const int64_t work = T * H * end * hd;  // multiply-adds of the scores (at most)
+  const int64_t grain = work > kParallelWork ? 1 : items;  // (small ones on one thread: waking another costs more)
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t stop) {
+    for (int64_t item = begin; item < stop; ++item) {
+      const int64_t g = item % Hkv, r0 = item / Hkv * kRowBlock;
+      attend(q.data_ptr<float>() + g * G * q.stride(0), q.stride(1), q.stride(0),
+             keys.data_ptr<float>() + g * keys.stride(0), keys.stride(1),
+             values.data_ptr<float>() + g * values.stride(0), values.stride(1), seen, r0,
+             std::min(T, r0 + kRowBlock), G, hd, static_cast<float>(scale), out.data_ptr<float>() + g * G * hd,
+             H * hd);
+    }
+  });
+  return out;
+}
+
+}  // namespace casspec
+
+TORCH_LIBRARY_FRAGMENT(casspec, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &casspec::rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)", &casspec::add_rms_norm);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &casspec::rope);
+  m.def("attention(Tensor q, Tensor keys, Tensor values, int end, Tensor? mask, float scale) -> Tensor",
+        &casspec::attention);
+}

@@ -126,7 +126,7 @@ class Engine:
         # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
         self.build = "; ".join([dense.describe()] + [name for name, on in (
             ("native weights", native), ("fused projections", fuse), ("compiled pointwise", compiled),
-            ("CUDA graphs", graphs), ("c++ layers", stacked),
+            ("CUDA graphs", graphs), ("c++ layers", stacked), ("c++ ops", stacked and not compiled),
             ("batch-invariant", batch_invariant)) if on])
         self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None

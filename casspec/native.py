@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dsia.blockq import BlockLinear
 from dsia.errors import CasspecError
+from dsia.fastloop import build_error
 from dsia.model import FUSED_GROUPS, Transformer
 from dsia.plan import Plan
 from dsia.quant import FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
@@ -61,12 +63,22 @@ def dequantize(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
     return w.reshape(q.shape[0], -1)
 
 
-def kernel(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> QuantLinear:
-    """The packed kernel of decoded blocks (Int4Linear: w = (q - 8) scale + zero)."""
+def kernel(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> QuantLinear | BlockLinear:
+    """The kernel of decoded blocks: casspec's block product where its C++ library builds (the blocks as stored,
+    activations quantized to 8 bits per block as llama.cpp's), else torch's packed int4 kernel (Int4Linear: w =
+    (q - 8) scale + zero, or Int8GroupLinear's two planes)."""
+    if build_error() is None:
+        offset = -8 * d if kind == "Q4_0" else m  # Q4_0: w = d (q - 8)
+        return BlockLinear(q, d, offset, 8 if kind == "Q8_0" else 4)
     if kind == "Q8_0":
         return Int8GroupLinear.from_codes(q, d, BLOCK)
     zero = m + 8 * d if m is not None else torch.zeros_like(d)
     return Int4Linear.from_codes(q, d, zero, BLOCK)
+
+
+def fits(out: int, n_in: int) -> bool:
+    """Whether `kernel` takes an [out, in] weight (else it stays dense)."""
+    return n_in % BLOCK == 0 if build_error() is None else int4_fits(out, n_in, BLOCK)
 
 
 def _row_order(native: Tensor, dense: Tensor, name: str) -> Tensor:
@@ -123,7 +135,7 @@ def native_plan(gguf: Path, model: Transformer) -> Plan:
                 kind = blocks[0][0]
                 cat = [torch.cat([b[j] for b in blocks]) for j in (1, 2)]
                 m = torch.cat([b[3] for b in blocks]) if blocks[0][3] is not None else None
-                if int4_fits(cat[0].shape[0], cat[0].shape[1], BLOCK):
+                if fits(*cat[0].shape):
                     fused[(i, group)] = FusedLinear(kernel(kind, cat[0], cat[1], m), [b[1].shape[0] for b in blocks])
                     continue
             for p in parts:
@@ -137,5 +149,5 @@ def native_plan(gguf: Path, model: Transformer) -> Plan:
 
 def _add(into: dict, key, block: tuple | None) -> None:
     """A kernel for one projection's decoded blocks where the kernel takes its shape (else it stays dense)."""
-    if block is not None and int4_fits(block[1].shape[0], block[1].shape[1], BLOCK):
+    if block is not None and fits(*block[1].shape):
         into[key] = kernel(*block)

@@ -11,6 +11,11 @@ or without biases, and a batch-invariant target's attention block by block where
 GGUF target run as stored); the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels,
 oneDNN's product, q/k norms, batch-invariant targets with dense products) run the Python loop. Where no compiler is
 found the build fails once, quietly, and every forward runs the Python loop.
+
+The same library holds casspec's own ops for a float32 forward's small steps (csrc/ops.cpp: RMSNorm with the
+residual add, RoPE, and an attention that computes each row over its own keys, so a row's bits do not depend on the
+rows beside it): `cxx_pointwise` gives them to the Python loop, and a stack runs them for a model that has them, so
+the two loops stay the same bits.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .blockq import BlockLinear
 from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import kernel_for, mkl_packed
 from .model import EAGER, FUSED_GROUPS, KvAccess, Pointwise, Transformer
@@ -33,10 +39,11 @@ from .quant import FusedLinear, Int4Linear, Int8GroupLinear
 if TYPE_CHECKING:
     from .kvcache import KVCache
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "ops.cpp", "blockq.cpp")]
 EXTENSION = "casspec_layers"  # the built library's name (torch's extension cache rebuilds it when the source changes)
 SLOTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's product slots (q holds q|k|v where fused, gate gate|up)
-NONE, PACKED, DENSE = -1, 0, 1  # a slot's kind: empty (a part of a fused product), packed 4-bit, dense weight
+# a slot's kind: empty (a part of a fused product), packed 4-bit, dense weight, GGUF blocks as stored (BlockLinear)
+NONE, PACKED, DENSE, BLOCKS = -1, 0, 1, 2
 DENSE_KERNELS = {"blas": 1, "mkl": 2}  # the dense kernels the C++ loop runs, by DenseKernels name
 # the dtype code ATen's ScalarType enum gives each activation dtype a packed kernel may take
 SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}
@@ -48,9 +55,11 @@ def build_error() -> str | None:
     holds it, else why not (the Python loop then runs every forward)."""
     try:
         from torch.utils.cpp_extension import load
-        # (-ffp-contract=off: no multiply-add is fused where the source has a product and a sum, so ops.cpp's RoPE
-        # is ATen's bits and its sums the same on every machine)
-        load(name=EXTENSION, sources=[str(s) for s in SOURCES], extra_cflags=["-O2", "-ffp-contract=off"],
+        # -ffp-contract=off: no multiply-add is fused where the source has a product and a sum, so ops.cpp's RoPE
+        # is ATen's bits and every sum the same on every machine; -fopenmp: at::parallel_for runs on torch's threads
+        # (its OpenMP runtime, loaded first, serves the library; without the flag the loops run on one thread)
+        load(name=EXTENSION, sources=[str(s) for s in SOURCES],
+             extra_cflags=["-O2", "-ffp-contract=off", "-Wno-psabi", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a header mismatch: the Python loop is the same computation
         first = str(e).strip().splitlines()
@@ -73,11 +82,11 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Slot:
-    kind: int  # NONE, PACKED or DENSE
+    kind: int  # NONE, PACKED, DENSE or BLOCKS
     weight: Tensor  # packed codes, or the dense weight [out, in]
-    aux: Tensor  # packed: scales and zeros; dense: MKL's packed copy where MKL may run it
+    aux: Tensor  # packed: scales and zeros (blocks: scales); dense: MKL's packed copy where MKL may run it
     bias: Tensor  # [out], or empty
-    group_size: int = 0  # packed
+    group_size: int = 0  # packed; blocks: the outputs
     doubled: int = 0  # packed: 1 where the kernel takes [x, x] (Int8GroupLinear)
     act_dtype: torch.dtype | None = None  # packed: the activations' dtype
 
@@ -115,6 +124,8 @@ class LayerStack:
 def _packed_slot(kernel: object, bias: Tensor | None) -> Slot:
     if isinstance(kernel, FusedLinear):
         kernel = kernel.kernel
+    if isinstance(kernel, BlockLinear):
+        return Slot(BLOCKS, kernel.codes, kernel.scales, EMPTY if bias is None else bias, kernel.out_features)
     if not isinstance(kernel, (Int4Linear, Int8GroupLinear)):
         raise Unsupported(type(kernel).__name__)
     return Slot(PACKED, kernel.packed, kernel.scales_and_zeros, EMPTY if bias is None else bias, kernel.group_size,

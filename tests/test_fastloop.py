@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsia.errors import CasspecError
-from dsia.fastloop import Stacks, build_error, layer_stack
+from dsia.fastloop import BLOCKS, Stacks, build_error, layer_stack
 from dsia.plan import TARGET, Plan
 from tiny import KERNELS, tiny_engine, tiny_gguf
 
@@ -72,8 +72,8 @@ def test_dense_targets_equal_the_python_loop(arch, kernels, fused, dtype):
 
 
 def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
-    """A target run as stored: its packed products, and its batch-invariant attention (each row over its own keys,
-    block by block: the causal prefill, the one-token step and the tree's rows, whose ancestors are gathered)."""
+    """A target run as stored: its block products (q|k|v, o, gate|up, down per layer), and its batch-invariant
+    attention (each row over its own keys: the one-token step and the tree's rows; and by SDPA)."""
     from casspec.engine import Engine
 
     for qtype in ("Q4_0", "Q8_0"):
@@ -87,7 +87,8 @@ def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
         for target in (eng.model, plain):  # attending block by block (a native engine's own), and by SDPA
             fast, slow = both(target)
             stack = fast.stacks.get(fast, TARGET)
-            assert stack is not None and any(slot.doubled for slot in stack.slots) == (qtype == "Q8_0")
+            blocks = [slot for slot in stack.slots if slot.kind == BLOCKS]  # its products: the blocks as stored
+            assert len(blocks) == 4 * 2 and {slot.weight.shape[2] for slot in blocks} == {8 if qtype == "Q8_0" else 4}
             assert_same(fast, slow, TARGET)
 
 

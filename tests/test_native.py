@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from casspec.engine import Engine
 from casspec.native import decode_blocks, dequantize, kernel
 from casspec.request import Request
+from dsia.blockq import BlockLinear
 from dsia.errors import CasspecError
+from test_blockq import reference as block_reference
 from tiny import tiny_gguf
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -40,13 +42,18 @@ def test_the_kernel_multiplies_the_stored_codes(kind):
     w = np.random.default_rng(1).normal(0, 0.3, (32, 64)).astype(np.float32)
     q, d, m = decode_blocks(kind, quantize(w, GGMLQuantizationType[kind]))
     x = torch.randn(5, 64)
-    bf = lambda t: t.bfloat16().float()  # noqa: E731  (the kernel holds its scales, and multiplies, in bf16)
+    k = kernel(kind, q, d, m)
+    if isinstance(k, BlockLinear):  # casspec's block product: activations quantized to 8 bits per block
+        ref = block_reference(x, q, d, -8 * d if kind == "Q4_0" else m)
+        assert torch.allclose(k(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        return
+    bf = lambda t: t.bfloat16().float()  # noqa: E731  (torch's int4 kernel holds its scales, and multiplies, in bf16)
     if kind == "Q8_0":
         ref_w = (q.reshape(32, -1, 32).float() * bf(d)[..., None]).reshape(32, 64)
     else:
         zero = bf(m + 8 * d) if m is not None else torch.zeros_like(d)
         ref_w = ((q.reshape(32, -1, 32).float() - 8) * bf(d)[..., None] + zero[..., None]).reshape(32, 64)
-    y = kernel(kind, q, d, m)(x)
+    y = k(x)
     ref = bf(x) @ ref_w.T
     torch.testing.assert_close(y, ref, rtol=0, atol=2 ** -8 * ref.abs().max().item())
 

@@ -20,6 +20,7 @@ namespace {
 constexpr int64_t kNone = -1;  // no product here (k, v of a fused q|k|v; up of a fused gate|up)
 constexpr int64_t kPacked = 0;  // packed 4-bit kernel (Int4Linear, Int8GroupLinear)
 constexpr int64_t kDense = 1;  // dense weight, through the call's dense kernel
+constexpr int64_t kBlocks = 2;  // GGUF-style blocks as stored (dsia/blockq.py BlockLinear: codes, scales, outputs)
 // dense kernels (DENSE_KERNELS in fastloop.py)
 constexpr int64_t kBlas = 1;  // F.linear
 constexpr int64_t kMkl = 2;  // MKL's packed sgemm (dsia/kernels.py PackedSgemm)
@@ -133,9 +134,9 @@ struct Stack : torch::CustomClassHolder {
   std::vector<at::Tensor> norms;  // [2L] attention, MLP norm weights
   std::vector<int64_t> kinds;  // [7L] each slot's kind
   std::vector<at::Tensor> weights;  // [7L] packed codes, or the dense weight
-  std::vector<at::Tensor> aux;  // [7L] packed: scales and zeros; dense: MKL's packed copy (or empty)
+  std::vector<at::Tensor> aux;  // [7L] packed: scales and zeros (blocks: scales); dense: MKL's packed copy (or empty)
   std::vector<at::Tensor> biases;  // [7L] bias (or empty)
-  std::vector<int64_t> group_sizes;  // [7L] packed: group size
+  std::vector<int64_t> group_sizes;  // [7L] packed: group size; blocks: the outputs
   std::vector<int64_t> doubled;  // [7L] packed: 1 where the kernel takes [x, x] (8-bit codes as two 4-bit planes)
   int64_t act_dtype;  // ATen ScalarType code of the packed kernels' activations
   int64_t n_heads, n_kv_heads;
@@ -151,7 +152,8 @@ struct Stack : torch::CustomClassHolder {
         act_dtype(act_dtype), n_heads(n_heads), n_kv_heads(n_kv_heads), eps(eps) {
     TORCH_CHECK(invariance.size() == 3, "casspec Stack: block, float32 min rows, torch's own MACs");
     for (int64_t kind : this->kinds) {
-      TORCH_CHECK(kind == kNone || kind == kPacked || kind == kDense, "casspec Stack: unknown product kind ", kind);
+      TORCH_CHECK(kind == kNone || kind == kPacked || kind == kDense || kind == kBlocks,
+                  "casspec Stack: unknown product kind ", kind);
     }
     inv = Invariance{invariance[0], invariance[1], invariance[2]};
     const size_t slots = kSlots * (this->norms.size() / 2);
@@ -171,6 +173,11 @@ struct Stack : torch::CustomClassHolder {
         a = a.repeat({1, 2});
       }
       at::Tensor y = at::_weight_int4pack_mm_for_cpu(a, weights[j], group_sizes[j], aux[j]).to(x.scalar_type());
+      return b ? y + *b : y;
+    }
+    if (kinds[j] == kBlocks) {  // BlockLinear.__call__, then the bias
+      at::Tensor y = casspec::block_linear(x.to(at::kFloat), weights[j], aux[j], group_sizes[j], -1)
+                         .to(x.scalar_type());
       return b ? y + *b : y;
     }
     if (dense_kernel == kMkl) {

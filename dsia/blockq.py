@@ -1,0 +1,52 @@
+"""GGUF block-quantized products as stored (csrc/blockq.cpp, `torch.ops.casspec.block_linear`): a weight in blocks of
+32 with a scale d per block (and an offset m for Q4_1), 4-bit or 8-bit codes, times activations quantized per row and
+block to 8 bits, as llama.cpp multiplies them. The weights are read once for all the rows of a call, so a tree's
+verification costs a few one-token steps, not one per token (torch's packed int4 kernel cost 5x one token's over 16);
+each row's result is the same bits whatever the rows beside it, on every machine (the module's C++ says why).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK = 32  # weights per block
+
+
+TILE = 16  # outputs per tile (the kernel's float lanes)
+GROUPS = BLOCK // 4  # groups of 4 inputs per block
+
+
+class BlockLinear:
+    """w[o, 32b + j] = d[o, b] * q[o, 32b + j] + m[o, b] (Q4_1; Q4_0 is m = -8 d over codes in [0, 15], Q8_0 m = 0
+    over codes in [-128, 127]). x [T, in] -> y [T, out] in x's dtype (computed from float32; no bias).
+
+    Laid out for the kernel: per tile of 16 outputs and block, 8 groups of 4 inputs, each group's 4 codes of the 16
+    outputs side by side (8-bit: code + 128, a byte each; 4-bit: group g in the low nibbles, g + 4 in the high ones,
+    as compact as the file's blocks); d and m per tile and block, 16 each."""
+
+    kind = "block"
+
+    def __init__(self, q: Tensor, d: Tensor, m: Tensor | None, bits: int) -> None:
+        out, n_in = q.shape
+        assert bits in (4, 8) and n_in % BLOCK == 0 and d.shape == (out, n_in // BLOCK), (q.shape, d.shape, bits)
+        nb, tiles = n_in // BLOCK, -(-out // TILE)
+        pad = tiles * TILE - out  # outputs past the last: zero codes and scales
+        g = torch.cat((q.to(torch.int32), torch.zeros(pad, n_in, dtype=torch.int32)))
+        g = g.reshape(tiles, TILE, nb, GROUPS, 4).permute(0, 2, 3, 1, 4)  # [tiles, blocks, groups, 16, 4]
+        if bits == 8:
+            self.codes = (g + 128).to(torch.uint8).contiguous()
+        else:
+            self.codes = (g[:, :, :GROUPS // 2] | (g[:, :, GROUPS // 2:] << 4)).to(torch.uint8).contiguous()
+        per_tile = [torch.cat((s.float(), torch.zeros(pad, nb))).reshape(tiles, TILE, nb).transpose(1, 2)
+                    for s in [d] + ([] if m is None else [m])]
+        self.scales = torch.stack(per_tile).contiguous()  # [1 or 2, tiles, blocks, 16]: d, then m
+        self.out_features = out
+        self.bits = bits
+        self.act_dtype = torch.float32
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.casspec.block_linear(x.float(), self.codes, self.scales, self.out_features).to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()

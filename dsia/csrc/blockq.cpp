@@ -1,0 +1,324 @@
+// A GGUF-style block-quantized product on the CPU (torch.ops.casspec.block_linear): weights in blocks of 32 with a
+// scale d (and an offset m, Q4_1) per block, as stored (4-bit codes 0..15 or 8-bit codes), times the activations
+// quantized per row and block to 8 bits (dx per block, as llama.cpp's Q8 activations): integer dot products, then
+// y[t, o] = sum over blocks of d * dx * (codes . xq) + sum over blocks of m * dx * sum(xq).
+//
+// Outputs go 16 at a time, one per float lane (dsia/blockq.py lays the codes out so: per tile of 16 outputs and
+// block, 8 groups of 4 inputs, each group's 4 bytes for every output side by side), so nothing is summed across
+// lanes; a tile's unpacked block is shared by up to 4 rows. Every row is computed by the same operations in the same
+// order whatever the rows beside it: integer sums are exact, and each lane sums its blocks in order. The AVX-512
+// VNNI, AVX2 and plain loops compute the same lanes, so a row's result is the same bits on every machine and in
+// every call (batch-invariant by construction).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "ops.h"
+
+namespace casspec {
+namespace {
+
+constexpr int64_t kBlock = 32;  // weights per block
+constexpr int64_t kTile = 16;  // outputs per tile, one per float lane
+constexpr int64_t kGroups = kBlock / 4;  // groups of 4 inputs per block (a 32-bit lane's 4 bytes)
+constexpr int kRowTile = 4;  // rows that share each unpacked block (the switch in CASSPEC_RANGE goes to 3)
+
+enum Isa : int64_t { kAuto = -1, kPlain = 0, kAvx2 = 1, kVnni = 2 };
+
+// A call's operands. codes per (tile, block): 8-bit: 8 groups x 16 outputs x 4 bytes, each code + 128 (0..255);
+// 4-bit: 4 x 16 x 4 bytes, group g in the low nibbles and group g + 4 in the high ones. d, m: [tiles, blocks, 16].
+// Activations: xq [T, K] int8, dx, sx [T, blocks] (sx = dx * sum of the block's xq), xsum [T, blocks] (that sum).
+struct Call {
+  const uint8_t* codes;
+  bool eight;  // 8-bit codes, else 4-bit
+  const float* d;
+  const float* m;  // or nullptr (no offsets)
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+  const int32_t* xsum;
+  float* out;  // [T, N]
+  int64_t N, T, K, blocks;
+};
+
+inline int64_t code_bytes(const Call& c) { return c.eight ? kGroups * kTile * 4 : kGroups / 2 * kTile * 4; }
+
+// the 8-bit code of output lane `lane`, input 4 g + j of block b of tile `tile` (signed), plain
+inline int32_t code_plain(const Call& c, int64_t tile, int64_t b, int64_t g, int64_t lane, int64_t j) {
+  const uint8_t* w = c.codes + (tile * c.blocks + b) * code_bytes(c);
+  if (c.eight) {
+    return int32_t{w[(g * kTile + lane) * 4 + j]} - 128;
+  }
+  const uint8_t byte = w[((g % 4) * kTile + lane) * 4 + j];
+  return g < 4 ? byte & 15 : byte >> 4;
+}
+
+template <int R>
+[[gnu::always_inline]] inline void rows_plain(const Call& c, int64_t tile, int64_t t0) {
+  float acc[R][kTile] = {}, offs[R][kTile] = {};
+  for (int64_t b = 0; b < c.blocks; ++b) {
+    const float* d = c.d + (tile * c.blocks + b) * kTile;
+    const float* m = c.m != nullptr ? c.m + (tile * c.blocks + b) * kTile : nullptr;
+    for (int r = 0; r < R; ++r) {
+      const int64_t t = t0 + r;
+      const int8_t* x = c.xq + t * c.K + b * kBlock;
+      for (int64_t lane = 0; lane < kTile; ++lane) {
+        int32_t s = 0;
+        for (int64_t g = 0; g < kGroups; ++g) {
+          for (int64_t j = 0; j < 4; ++j) {
+            s += code_plain(c, tile, b, g, lane, j) * int32_t{x[4 * g + j]};
+          }
+        }
+        acc[r][lane] += static_cast<float>(s) * d[lane] * c.dx[t * c.blocks + b];
+        if (m != nullptr) {
+          offs[r][lane] += m[lane] * c.sx[t * c.blocks + b];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t lane = 0; lane < kTile && tile * kTile + lane < c.N; ++lane) {
+      c.out[(t0 + r) * c.N + tile * kTile + lane] = acc[r][lane] + offs[r][lane];
+    }
+  }
+}
+
+template <int R>
+__attribute__((target("avx2"), always_inline)) inline void rows_avx2(const Call& c, int64_t tile, int64_t t0) {
+  __m256 acc[R][2], offs[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = acc[r][1] = offs[r][0] = offs[r][1] = _mm256_setzero_ps();
+  }
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(-128);
+  for (int64_t b = 0; b < c.blocks; ++b) {
+    const uint8_t* wb = c.codes + (tile * c.blocks + b) * code_bytes(c);
+#pragma GCC unroll 8
+    for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
+      __m256i w[kGroups];
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < (c.eight ? kGroups : kGroups / 2); ++g) {
+        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (g * kTile + 8 * h) * 4));
+        if (c.eight) {
+          w[g] = _mm256_xor_si256(y, flip);  // the signed code
+        } else {
+          w[g] = _mm256_and_si256(y, low);
+          w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(y, 4), low);
+        }
+      }
+      const __m256 d = _mm256_loadu_ps(c.d + (tile * c.blocks + b) * kTile + 8 * h);
+      const __m256 m = c.m != nullptr ? _mm256_loadu_ps(c.m + (tile * c.blocks + b) * kTile + 8 * h) : d;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t t = t0 + r;
+        const int8_t* x = c.xq + t * c.K + b * kBlock;
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < kGroups; ++g) {
+          int32_t four;
+          std::memcpy(&four, x + 4 * g, 4);
+          __m256i xv = _mm256_set1_epi32(four), wv = w[g];
+          if (c.eight) {  // |w| times x with w's sign: u8 x s8 pairs, no saturation (128 * 127 * 2 < 2^15)
+            xv = _mm256_sign_epi8(xv, wv);
+            wv = _mm256_abs_epi8(wv);
+          }
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+        }
+        __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), d);
+        f = _mm256_mul_ps(f, _mm256_set1_ps(c.dx[t * c.blocks + b]));
+        acc[r][h] = _mm256_add_ps(acc[r][h], f);
+        if (c.m != nullptr) {
+          offs[r][h] = _mm256_add_ps(offs[r][h], _mm256_mul_ps(m, _mm256_set1_ps(c.sx[t * c.blocks + b])));
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float y[kTile];
+    _mm256_storeu_ps(y, _mm256_add_ps(acc[r][0], offs[r][0]));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(acc[r][1], offs[r][1]));
+    const int64_t n = std::min(kTile, c.N - tile * kTile);
+    std::memcpy(c.out + (t0 + r) * c.N + tile * kTile, y, sizeof(float) * n);
+  }
+}
+
+#define CASSPEC_VNNI "avx512f,avx512bw,avx512vl,avx512vnni"
+template <int R>
+__attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const Call& c, int64_t tile, int64_t t0) {
+  __m512 acc[R], offs[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc[r] = offs[r] = _mm512_setzero_ps();
+  }
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t b = 0; b < c.blocks; ++b) {
+    const uint8_t* wb = c.codes + (tile * c.blocks + b) * code_bytes(c);
+    __m512i w[kGroups];  // u8: the code + 128 (8-bit), or the code (4-bit)
+    if (c.eight) {
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < kGroups; ++g) {
+        w[g] = _mm512_loadu_si512(wb + g * kTile * 4);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < kGroups / 2; ++g) {
+        const __m512i y = _mm512_loadu_si512(wb + g * kTile * 4);
+        w[g] = _mm512_and_si512(y, low);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(y, 4), low);
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(c.d + (tile * c.blocks + b) * kTile);
+    const __m512 m = c.m != nullptr ? _mm512_loadu_ps(c.m + (tile * c.blocks + b) * kTile) : d;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t t = t0 + r;
+      const int8_t* x = c.xq + t * c.K + b * kBlock;
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // (two chains: exact either way)
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < kGroups; g += 2) {
+        int32_t four[2];
+        std::memcpy(four, x + 4 * g, 8);
+        even = _mm512_dpbusd_epi32(even, w[g], _mm512_set1_epi32(four[0]));
+        odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_set1_epi32(four[1]));
+      }
+      __m512i s = _mm512_add_epi32(even, odd);
+      if (c.eight) {  // (code + 128) . x - 128 sum(x)
+        s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * c.xsum[t * c.blocks + b]));
+      }
+      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), d);
+      f = _mm512_mul_ps(f, _mm512_set1_ps(c.dx[t * c.blocks + b]));
+      acc[r] = _mm512_add_ps(acc[r], f);
+      if (c.m != nullptr) {
+        offs[r] = _mm512_add_ps(offs[r], _mm512_mul_ps(m, _mm512_set1_ps(c.sx[t * c.blocks + b])));
+      }
+    }
+  }
+  const int64_t n = std::min(kTile, c.N - tile * kTile);
+  const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(c.out + (t0 + r) * c.N + tile * kTile, valid, _mm512_add_ps(acc[r], offs[r]));
+  }
+}
+
+// tiles [tile0, tile1) of every row, up to kRowTile rows at a time (one function per instruction set: its loops
+// inline, each row tile's accumulators in registers)
+#define CASSPEC_RANGE(NAME, TARGET, ROWS)                           \
+  TARGET void NAME(const Call& c, int64_t tile0, int64_t tile1) {   \
+    for (int64_t tile = tile0; tile < tile1; ++tile) {              \
+      int64_t t0 = 0;                                               \
+      for (; t0 + kRowTile <= c.T; t0 += kRowTile) {                \
+        ROWS<kRowTile>(c, tile, t0);                                \
+      }                                                             \
+      switch (c.T - t0) {                                           \
+        case 3:                                                     \
+          ROWS<3>(c, tile, t0);                                     \
+          break;                                                    \
+        case 2:                                                     \
+          ROWS<2>(c, tile, t0);                                     \
+          break;                                                    \
+        case 1:                                                     \
+          ROWS<1>(c, tile, t0);                                     \
+          break;                                                    \
+        default:                                                    \
+          break;                                                    \
+      }                                                             \
+    }                                                               \
+  }
+CASSPEC_RANGE(range_plain, , rows_plain)
+CASSPEC_RANGE(range_avx2, __attribute__((target("avx2"))), rows_avx2)
+CASSPEC_RANGE(range_vnni, __attribute__((target(CASSPEC_VNNI))), rows_vnni)
+#undef CASSPEC_RANGE
+static_assert(kRowTile == 4, "CASSPEC_RANGE's switch takes the last 1-3 rows");
+
+Isa best_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+      return kVnni;
+    }
+    return __builtin_cpu_supports("avx2") ? kAvx2 : kPlain;
+  }();
+  return isa;
+}
+
+// x [T, K] float32 -> per row and block, dx = max |x| / 127, xq = x / dx rounded to nearest (even), their sum, sx
+void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* xsum) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + t * K + b * kBlock;
+      int8_t* q = xq + t * K + b * kBlock;
+      float top = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        top = std::max(top, std::fabs(v[j]));
+      }
+      const float scale = top / 127.f;
+      const float inv = scale != 0.f ? 1.f / scale : 0.f;
+      int32_t total = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+        total += q[j];
+      }
+      dx[t * blocks + b] = scale;
+      xsum[t * blocks + b] = total;
+      sx[t * blocks + b] = scale * static_cast<float>(total);
+    }
+  }
+}
+
+}  // namespace
+
+// x [T, K] float32; codes [tiles, blocks, 4 or 8, 16, 4] uint8 (dsia/blockq.py); scales [1 or 2, tiles, blocks,
+// 16] float32 (d, and m where w = d q + m); n: the outputs (<= 16 tiles); isa: -1 the best this CPU has, else 0
+// plain, 1 AVX2, 2 AVX-512 VNNI (tests). -> [T, n]
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
+                        int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(),
+              "casspec block_linear: x [T, K] float32 on the CPU");
+  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  (codes.size(2) == kGroups || codes.size(2) == kGroups / 2) && codes.size(3) == kTile &&
+                  codes.size(4) == 4 && scales.dim() == 4 && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && scales.size(1) == codes.size(0) && scales.size(2) == codes.size(1) &&
+                  scales.size(3) == kTile && n <= kTile * codes.size(0) && n > kTile * (codes.size(0) - 1),
+              "casspec block_linear: codes [tiles, blocks, 4 or 8, 16, 4] uint8, scales [1 or 2, tiles, blocks, 16]");
+  const int64_t T = x.size(0), K = x.size(1), tiles = codes.size(0), blocks = codes.size(1);
+  TORCH_CHECK(K == kBlock * blocks, "casspec block_linear: x has ", K, " inputs, the codes ", kBlock * blocks);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor xq = at::empty({T, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({T, blocks}, x.options()), sx = at::empty({T, blocks}, x.options());
+  at::Tensor xsum = at::empty({T, blocks}, x.options().dtype(at::kInt));
+  quantize_rows(xc.data_ptr<float>(), T, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
+                xsum.data_ptr<int32_t>());
+  at::Tensor out = at::empty({T, n}, x.options());
+  const Call c{codes.data_ptr<uint8_t>(), codes.size(2) == kGroups, scales.data_ptr<float>(),
+               scales.size(0) == 2 ? scales.data_ptr<float>() + tiles * blocks * kTile : nullptr,
+               xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), xsum.data_ptr<int32_t>(),
+               out.data_ptr<float>(), n, T, K, blocks};
+  const Isa use = isa == kAuto ? best_isa() : static_cast<Isa>(isa);
+  TORCH_CHECK(use >= kPlain && use <= best_isa(), "casspec block_linear: this CPU has no such instructions");
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, T * K * kTile));
+  at::parallel_for(0, tiles, grain, [&](int64_t tile0, int64_t tile1) {
+    if (use == kVnni) {
+      range_vnni(c, tile0, tile1);
+    } else if (use == kAvx2) {
+      range_avx2(c, tile0, tile1);
+    } else {
+      range_plain(c, tile0, tile1);
+    }
+  });
+  return out;
+}
+
+}  // namespace casspec
+
+TORCH_LIBRARY_FRAGMENT(casspec, m) {
+  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int n, int isa=-1) -> Tensor", &casspec::block_linear);
+}

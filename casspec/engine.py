@@ -40,7 +40,7 @@ from .detok import TextStream
 from .levelstore import LevelStore
 from .loading import Loaded, load
 from .methods import Drafters, make_policy
-from .native import WEIGHTS, native_plan
+from .native import WEIGHTS, block_kernel, native_plan
 from .plane import MIN_CONTEXT, Plane, PlaneConfig, levels_plane, plane_key
 from .request import Prompt, Request
 from .state import StateFile
@@ -125,7 +125,8 @@ class Engine:
             graphs = cuda
         # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
         self.build = "; ".join([dense.describe()] + [name for name, on in (
-            ("native weights", native), ("fused projections", fuse), ("compiled pointwise", compiled),
+            ("native weights (casspec's block kernel)" if native and block_kernel() else "native weights",
+             native), ("fused projections", fuse), ("compiled pointwise", compiled),
             ("CUDA graphs", graphs), ("c++ layers", stacked), ("c++ ops", stacked and not compiled),
             ("batch-invariant", batch_invariant)) if on])
         self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)

@@ -63,11 +63,16 @@ def dequantize(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
     return w.reshape(q.shape[0], -1)
 
 
+def block_kernel() -> bool:
+    """Whether the native target's products run casspec's block kernel (its C++ library built on this machine)."""
+    return build_error() is None
+
+
 def kernel(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> QuantLinear | BlockLinear:
     """The kernel of decoded blocks: casspec's block product where its C++ library builds (the blocks as stored,
     activations quantized to 8 bits per block as llama.cpp's), else torch's packed int4 kernel (Int4Linear: w =
     (q - 8) scale + zero, or Int8GroupLinear's two planes)."""
-    if build_error() is None:
+    if block_kernel():
         offset = -8 * d if kind == "Q4_0" else m  # Q4_0: w = d (q - 8)
         return BlockLinear(q, d, offset, 8 if kind == "Q8_0" else 4)
     if kind == "Q8_0":
@@ -78,7 +83,7 @@ def kernel(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> QuantLinear | B
 
 def fits(out: int, n_in: int) -> bool:
     """Whether `kernel` takes an [out, in] weight (else it stays dense)."""
-    return n_in % BLOCK == 0 if build_error() is None else int4_fits(out, n_in, BLOCK)
+    return n_in % BLOCK == 0 if block_kernel() else int4_fits(out, n_in, BLOCK)
 
 
 def _row_order(native: Tensor, dense: Tensor, name: str) -> Tensor:

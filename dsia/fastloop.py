@@ -5,17 +5,17 @@ A forward is about 36 small operations per layer; on a CPU each one called from 
 than the same call made from C++, which for a 30-layer model is a fifth of a one-token int4 forward and a tenth of a
 float32 one. A `LayerStack` holds a plan's layer weights, laid out once, and runs its layers in one call: the same
 ATen operations in the same order as `Transformer._layers`, so the same bits (tested). It takes plans whose every
-layer runs both sublayers with products that are packed 4-bit kernels (the int4 levels, a GGUF target as stored) or
-dense weights through BLAS or MKL's packed sgemm (a float32 target), with or without q|k|v and gate|up fused, with
-or without biases, and a batch-invariant target's attention block by block where its products are all packed (a
-GGUF target run as stored); the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels,
+layer runs both sublayers with products that are packed 4-bit kernels (the int4 levels), GGUF blocks as stored
+(dsia/blockq.py: a native target) or dense weights through BLAS or MKL's packed sgemm (a float32 target), with or
+without q|k|v and gate|up fused, with or without biases, and a batch-invariant target's attention where its products
+are all packed (a GGUF target run as stored); the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels,
 oneDNN's product, q/k norms, batch-invariant targets with dense products) run the Python loop. Where no compiler is
 found the build fails once, quietly, and every forward runs the Python loop.
 
-The same library holds casspec's own ops for a float32 forward's small steps (csrc/ops.cpp: RMSNorm with the
+The same library holds casspec's own ops: for a float32 forward's small steps (csrc/ops.cpp: RMSNorm with the
 residual add, RoPE, and an attention that computes each row over its own keys, so a row's bits do not depend on the
-rows beside it): `cxx_pointwise` gives them to the Python loop, and a stack runs them for a model that has them, so
-the two loops stay the same bits.
+rows beside it), which `cxx_pointwise` gives the Python loop and a stack runs for a model that has them, so the two
+loops stay the same bits; and the block product of GGUF weights as stored (csrc/blockq.cpp).
 """
 from __future__ import annotations
 

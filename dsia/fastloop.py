@@ -8,9 +8,9 @@ ATen operations in the same order as `Transformer._layers`, so the same bits (te
 layer runs both sublayers with products that are packed 4-bit kernels (the int4 levels), GGUF blocks as stored
 (dsia/blockq.py: a native target) or dense weights through BLAS or MKL's packed sgemm (a float32 target), with or
 without q|k|v and gate|up fused, with or without biases, and a batch-invariant target's attention where its products
-are all packed (a GGUF target run as stored); the others (skipped sublayers, an early exit, sparse MLPs, other quantized kernels,
-oneDNN's product, q/k norms, batch-invariant targets with dense products) run the Python loop. Where no compiler is
-found the build fails once, quietly, and every forward runs the Python loop.
+are all packed (a GGUF target run as stored); the others (skipped sublayers, an early exit, sparse MLPs, other
+quantized kernels, oneDNN's product, q/k norms, batch-invariant targets with dense products) run the Python loop.
+Where no compiler is found the build fails once, quietly, and every forward runs the Python loop.
 
 The same library holds casspec's own ops: for a float32 forward's small steps (csrc/ops.cpp: RMSNorm with the
 residual add, RoPE, and an attention that computes each row over its own keys, so a row's bits do not depend on the

@@ -35,7 +35,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="on a GPU, run the elementwise steps eagerly "
                    "instead of compiling each into one kernel (torch.compile)")
     p.add_argument("--no-fast-layers", action="store_true", help="on a CPU, run the decoder layers of each "
-                   "forward from Python instead of one C++ call (built once per machine; the same results)")
+                   "forward from Python, with ATen's small steps, instead of one C++ call and casspec's ops (built "
+                   "once per machine; the same computation, float32 sums may differ in the last bits)")
     p.add_argument("--batch-invariant", action="store_true", help="bfloat16 on a CPU: compute each row of the "
                    "target's forwards alike whatever the rows around it, so that every method's greedy tokens are "
                    "ar's (about 5-30%% slower forwards; see the README)")

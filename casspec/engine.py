@@ -72,7 +72,8 @@ class Engine:
         (dsia/invariant.py), so that every method's greedy tokens are `ar`'s in bfloat16 too (bfloat16 on a CPU; its
         forwards run eagerly).
         fast_layers: the decoder layers of a forward as one C++ call (dsia/fastloop.py: the target's and the int4
-        levels' forwards; default: on a CPU, where it builds, once per machine)."""
+        levels' forwards), and a float32 forward's small steps by casspec's ops in both loops (`cxx_pointwise`);
+        default: on a CPU, where it builds, once per machine."""
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer

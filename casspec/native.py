@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dsia.blockq import BlockLinear
+from dsia.blockq import BLOCK, BlockLinear
 from dsia.errors import CasspecError
 from dsia.fastloop import build_error
 from dsia.model import FUSED_GROUPS, Transformer
@@ -28,7 +28,6 @@ from dsia.plan import Plan
 from dsia.quant import FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
 
 WEIGHTS = ("float", "native")  # what --weights takes
-BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # run by packed kernels
 DENSE_TYPES = ("F32", "F16", "BF16")  # left to the dense products
 PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",

@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-BLOCK = 32  # weights per block
-
-
+BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0 (GGUF's, and the kernel's)
 TILE = 16  # outputs per tile (the kernel's float lanes)
 GROUPS = BLOCK // 4  # groups of 4 inputs per block
 

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from numbers import Integral
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -27,7 +28,7 @@ from dsia.fastloop import Stacks, build_error, built, cxx_pointwise
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
-from dsia.model import Transformer, compiled_pointwise
+from dsia.model import DEFAULT_CONTEXT, Transformer, compiled_pointwise
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams, warp
@@ -80,6 +81,9 @@ class Engine:
         self.name = loaded.name
         self.source = loaded.source  # the checkpoint file or folder (None: built in memory)
         model = loaded.runtime if loaded.runtime is not None else Transformer.from_hf(loaded.model)
+        if max_context is not None and max_context < 2:
+            raise CasspecError(f"max_context must be >= 2 (got {max_context})")
+        model = model.with_context(max_context or min(model.spec.max_context, DEFAULT_CONTEXT))
         if weights not in WEIGHTS:
             raise CasspecError(f"unknown weights {weights!r}: use one of {', '.join(WEIGHTS)}")
         native = weights == "native"
@@ -120,8 +124,6 @@ class Engine:
             model = model.with_stacks(Stacks())
             if not compiled:  # the small steps of a float32 forward by the same library's ops, in both loops
                 model = model.with_pointwise(cxx_pointwise())
-        if max_context is not None and max_context < 2:
-            raise CasspecError(f"max_context must be >= 2 (got {max_context})")
         if graphs is None:
             graphs = cuda
         # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
@@ -130,7 +132,7 @@ class Engine:
              native), ("fused projections", fuse), ("compiled pointwise", compiled),
             ("CUDA graphs", graphs), ("c++ layers", stacked), ("c++ ops", stacked and not compiled),
             ("batch-invariant", batch_invariant)) if on])
-        self.cache: KVCache = model.new_cache(max_context, spare=BUCKETS[-1] if graphs else 0)
+        self.cache: KVCache = model.new_cache(model.context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
         self.model = model.with_graphs(self.graphs)
         self.eos_ids = self._eos_ids(loaded.generation_eos)
@@ -306,6 +308,11 @@ class Engine:
         if len(ids) >= self.cache.capacity:
             raise CasspecError(f"the prompt has {len(ids)} tokens but the context window holds {self.cache.capacity}:"
                                " shorten the prompt")
+        vocab = self.model.spec.vocab_size
+        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < vocab), None)
+        if bad is not None:
+            raise CasspecError(f"the prompt holds the token id {repr(bad)[:40]}: the model's ids are integers in "
+                               f"[0, {vocab}); pass ids from its tokenizer")
         return ids
 
     # ------------------------------------------------------------------ one generation at a time

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -31,7 +32,40 @@ SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE scalings whose frequencies are fixed at load (the runtime copies the HF model's inv_freq and attention
 # scaling once); "dynamic" and "longrope" change them with the sequence length, so they are refused
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+DEFAULT_CONTEXT = 32768  # positions a run takes when it names none (capped by the model's own maximum)
 FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # projections sharing one input
+
+
+# What a checkpoint's config may ask for (a config is untrusted input: sizes past these are refused, one line each,
+# before anything is allocated from them). Generous for the Llama family: the largest released models are well
+# inside them.
+MAX_HEAD_DIM = 256  # the widest attention head casspec's ops take (dsia/csrc/ops.h kMaxHeadDim)
+SPEC_LIMITS: dict[str, tuple[int, int]] = {  # config field -> (least, most)
+    "num_hidden_layers": (1, 1024),
+    "hidden_size": (1, 1 << 16),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, MAX_HEAD_DIM),
+    "intermediate_size": (1, 1 << 19),
+    "vocab_size": (1, 1 << 22),
+    "max_position_embeddings": (2, 1 << 24),
+}
+
+
+def _config_int(cfg, name: str, default: int | None = None) -> int:
+    """The config's integer `name` (`default` where it has none) within SPEC_LIMITS, else a CasspecError naming it."""
+    value = getattr(cfg, name, None)
+    if value is None:
+        value = default
+    return _checked_int(name, value)
+
+
+def _checked_int(name: str, value: object) -> int:
+    lo, hi = SPEC_LIMITS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CasspecError(f"the model config's {name} is {repr(value)[:40]}: casspec takes an integer in [{lo}, {hi}]; the "
+                           "config.json (or GGUF header) is corrupt or of an unsupported model")
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,6 +84,8 @@ class ModelSpec:
 
     @staticmethod
     def from_hf_config(cfg) -> "ModelSpec":
+        """The spec of an HF config (or any object with its fields), every size checked against SPEC_LIMITS and
+        against each other: a CasspecError naming the field for a config casspec cannot run."""
         arch = getattr(cfg, "model_type", "?")
         if arch not in SUPPORTED_ARCHS:
             raise CasspecError(f"unsupported architecture {arch!r}: casspec supports {', '.join(SUPPORTED_ARCHS)} "
@@ -59,16 +95,38 @@ class ModelSpec:
         if rope_type not in STATIC_ROPE:
             raise CasspecError(f"RoPE scaling {rope_type!r} is not supported: casspec implements "
                                f"{', '.join(STATIC_ROPE)} (frequencies fixed at load); use a checkpoint without it")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        max_ctx = cfg.max_position_embeddings
+        partial = getattr(cfg, "partial_rotary_factor", None)
+        if partial is None and isinstance(rope, dict):
+            partial = rope.get("partial_rotary_factor")
+        if partial is not None and partial != 1.0:
+            raise CasspecError(f"partial_rotary_factor {repr(partial)[:40]} is not supported: casspec rotates the whole head "
+                               "(factor 1.0); use a checkpoint without partial rotary embeddings")
+        dim = _config_int(cfg, "hidden_size")
+        n_heads = _config_int(cfg, "num_attention_heads")
+        n_kv_heads = _config_int(cfg, "num_key_value_heads", n_heads)
+        if n_heads % n_kv_heads:
+            raise CasspecError(f"the model config's num_attention_heads {n_heads} is not a multiple of its "
+                               f"num_key_value_heads {n_kv_heads}: the config is corrupt or of an unsupported model")
+        head_dim = _checked_int("head_dim", getattr(cfg, "head_dim", None) or dim // n_heads)  # (HF's rule)
+        if head_dim % 2:
+            raise CasspecError(f"the model config's head size {head_dim} is odd: RoPE rotates pairs of a head's "
+                               "numbers, so it must be even; the config is corrupt or of an unsupported model")
+        eps = getattr(cfg, "rms_norm_eps", None)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise CasspecError(f"the model config's rms_norm_eps is {repr(eps)[:40]}: casspec takes a number in [0, 1); the "
+                               "config is corrupt or of an unsupported model")
+        max_ctx = _config_int(cfg, "max_position_embeddings")
         window = getattr(cfg, "sliding_window", None)
         if window and (arch == "mistral" or getattr(cfg, "use_sliding_window", False)):
+            if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+                raise CasspecError(f"the model config's sliding_window is {repr(window)[:40]}: an integer >= 2 "
+                                   "expected; the config is corrupt")
             max_ctx = min(max_ctx, window)  # within the window, sliding attention equals full attention
         return ModelSpec(
-            arch=arch, n_layers=cfg.num_hidden_layers, dim=cfg.hidden_size, n_heads=cfg.num_attention_heads,
-            n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=head_dim,
-            intermediate=cfg.intermediate_size, vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps,
-            max_context=max_ctx, qk_norm=arch == "qwen3")
+            arch=arch, n_layers=_config_int(cfg, "num_hidden_layers"), dim=dim, n_heads=n_heads,
+            n_kv_heads=n_kv_heads, head_dim=head_dim, intermediate=_config_int(cfg, "intermediate_size"),
+            vocab_size=_config_int(cfg, "vocab_size"), norm_eps=float(eps), max_context=max_ctx,
+            qk_norm=arch == "qwen3")
 
 
 @dataclass
@@ -190,6 +248,13 @@ def compiled_pointwise() -> Pointwise:
                      compile_(rope_kv))
 
 
+def _device_memory(device: torch.device) -> int:
+    """Bytes of memory on `device` (a CPU: the machine's physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class Transformer:
     """The runtime: spec + references to the HF model's tensors + RoPE tables. Stateless across calls."""
 
@@ -210,13 +275,51 @@ class Transformer:
         self.layers = layers
         self.norm = norm  # [D]
         self.lm_head = lm_head  # [V, D] (may be the embedding itself when tied)
-        pos = torch.arange(spec.max_context, dtype=torch.float32, device=inv_freq.device)
-        freqs = torch.outer(pos, inv_freq.float())  # [P, hd/2]
+        if inv_freq.shape != (spec.head_dim // 2,):
+            raise CasspecError(f"the model's RoPE has {inv_freq.numel()} frequencies for a head of {spec.head_dim}: "
+                               "casspec rotates the whole head (head size / 2 frequencies); use a checkpoint "
+                               "without partial rotary embeddings")
+        self.inv_freq = inv_freq  # [hd/2]
+        self.rope_scale = rope_scale
+        self.cos, self.sin = self._rope_tables(min(spec.max_context, DEFAULT_CONTEXT))  # [P, hd] each
+
+    def _rope_tables(self, positions: int) -> tuple[Tensor, Tensor]:
+        """cos and the signed sin (first half negated, for `rope`'s roll) of positions [0, positions): [P, hd]."""
+        pos = torch.arange(positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(pos, self.inv_freq.float())  # [P, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
-        self.cos = (emb.cos() * rope_scale).to(embed.dtype)  # [P, hd]
-        sin = (emb.sin() * rope_scale).to(embed.dtype)  # [P, hd]
+        cos = (emb.cos() * self.rope_scale).to(self.embed.dtype)
+        sin = (emb.sin() * self.rope_scale).to(self.embed.dtype)
         half = sin.shape[-1] // 2
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [P, hd] signed for `rope`'s roll
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+    def _check_fits(self, positions: int) -> None:
+        """A CasspecError where a KV cache of `positions` slots (with its RoPE tables) exceeds the device's memory."""
+        s = self.spec
+        need = (2 * s.n_layers * s.n_kv_heads + 2) * s.head_dim * positions * self.embed.element_size()
+        have = _device_memory(self.device)
+        if need > have:
+            raise CasspecError(f"a context of {positions} positions needs {need / 1e9:.1f} GB of KV cache, more than "
+                               f"the {have / 1e9:.1f} GB this device has: lower --max-context")
+
+    @property
+    def context(self) -> int:
+        """Positions this runtime has RoPE tables for (a KV cache holds at most these)."""
+        return self.cos.shape[0]
+
+    def with_context(self, positions: int) -> "Transformer":
+        """The same weights with RoPE tables for `positions` positions (the context a run uses, never the file's
+        claim alone: a header's 10^8 positions would ask gigabytes of tables)."""
+        if not 2 <= positions <= self.spec.max_context:
+            raise CasspecError(f"a context of {positions} positions is outside what the model supports (2 .. "
+                               f"{self.spec.max_context}): lower --max-context")
+        self._check_fits(positions)
+        other = copy.copy(self)
+        if positions <= self.context:  # the same bits as the longer tables' first rows
+            other.cos, other.sin = self.cos[:positions], self.sin[:positions]
+        else:
+            other.cos, other.sin = self._rope_tables(positions)
+        return other
 
     @property
     def dtype(self) -> torch.dtype:
@@ -347,9 +450,10 @@ class Transformer:
 
     def new_cache(self, capacity: int | None = None, spare: int = 0) -> KVCache:
         s = self.spec
-        cap = min(capacity or s.max_context, s.max_context)
+        cap = min(capacity or self.context, self.context)
         if self.batch_invariant:  # its attention reads whole blocks of slots, past the last one written
             spare = max(spare, BLOCK)
+        self._check_fits(cap + spare)
         return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, cap, self.dtype, self.device, spare)
 
     def weight_bytes(self) -> int:

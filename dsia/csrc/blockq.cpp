@@ -281,16 +281,22 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, 
 // plain, 1 AVX2, 2 AVX-512 VNNI (tests). -> [T, n]
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                         int64_t isa) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(),
-              "casspec block_linear: x [T, K] float32 on the CPU");
-  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  (codes.size(2) == kGroups || codes.size(2) == kGroups / 2) && codes.size(3) == kTile &&
-                  codes.size(4) == 4 && scales.dim() == 4 && scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && scales.size(1) == codes.size(0) && scales.size(2) == codes.size(1) &&
-                  scales.size(3) == kTile && n <= kTile * codes.size(0) && n > kTile * (codes.size(0) - 1),
-              "casspec block_linear: codes [tiles, blocks, 4 or 8, 16, 4] uint8, scales [1 or 2, tiles, blocks, 16]");
+  check_tensor(x, "block_linear x [T, K]", at::kFloat, 2);
+  check_tensor(codes, "block_linear codes [tiles, blocks, 4 or 8, 16, 4]", at::kByte, 5);
+  check_tensor(scales, "block_linear scales [1 or 2, tiles, blocks, 16]", at::kFloat, 4);
   const int64_t T = x.size(0), K = x.size(1), tiles = codes.size(0), blocks = codes.size(1);
+  TORCH_CHECK(codes.is_contiguous() && (codes.size(2) == kGroups || codes.size(2) == kGroups / 2) &&
+                  codes.size(3) == kTile && codes.size(4) == 4,
+              "casspec block_linear: codes [tiles, blocks, 4 or 8, 16, 4] contiguous expected, got ", codes.sizes());
+  TORCH_CHECK(scales.is_contiguous() && (scales.size(0) == 1 || scales.size(0) == 2) && scales.size(1) == tiles &&
+                  scales.size(2) == blocks && scales.size(3) == kTile,
+              "casspec block_linear: scales [1 or 2, ", tiles, ", ", blocks, ", 16] contiguous expected, got ",
+              scales.sizes());
+  TORCH_CHECK(tiles >= 1 && n >= 1 && n <= kTile * tiles && n > kTile * (tiles - 1), "casspec block_linear: ", n,
+              " outputs do not fill the last of ", tiles, " tiles of 16");
   TORCH_CHECK(K == kBlock * blocks, "casspec block_linear: x has ", K, " inputs, the codes ", kBlock * blocks);
+  TORCH_CHECK(isa >= kAuto && isa <= best_isa(), "casspec block_linear: isa ", isa,
+              " is not one this CPU has (-1 the best, 0 plain, 1 AVX2, 2 AVX-512 VNNI)");
   const at::Tensor xc = x.contiguous();
   at::Tensor xq = at::empty({T, K}, x.options().dtype(at::kChar));
   at::Tensor dx = at::empty({T, blocks}, x.options()), sx = at::empty({T, blocks}, x.options());
@@ -303,7 +309,6 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
                xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), xsum.data_ptr<int32_t>(),
                out.data_ptr<float>(), n, T, K, blocks};
   const Isa use = isa == kAuto ? best_isa() : static_cast<Isa>(isa);
-  TORCH_CHECK(use >= kPlain && use <= best_isa(), "casspec block_linear: this CPU has no such instructions");
   const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, T * K * kTile));
   at::parallel_for(0, tiles, grain, [&](int64_t tile0, int64_t tile1) {
     if (use == kVnni) {

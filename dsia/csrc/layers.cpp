@@ -156,11 +156,28 @@ struct Stack : torch::CustomClassHolder {
                   "casspec Stack: unknown product kind ", kind);
     }
     inv = Invariance{invariance[0], invariance[1], invariance[2]};
+    TORCH_CHECK(inv.block >= 1 && inv.fp32_min_rows >= 1 && inv.torch_own_macs >= 0,
+                "casspec Stack: an attention block and float32 min rows of at least 1");
+    TORCH_CHECK(n_heads >= 1 && n_kv_heads >= 1 && n_heads % n_kv_heads == 0, "casspec Stack: ", n_heads,
+                " query heads over ", n_kv_heads, " KV heads (at least one each, a multiple of the KV heads)");
+    TORCH_CHECK(std::isfinite(eps) && eps >= 0, "casspec Stack: eps must be finite and >= 0");
+    TORCH_CHECK(act_dtype >= 0 && act_dtype < static_cast<int64_t>(at::ScalarType::NumOptions),
+                "casspec Stack: unknown activation dtype ", act_dtype);
+    TORCH_CHECK(this->norms.size() % 2 == 0, "casspec Stack: 2 norms per layer");
     const size_t slots = kSlots * (this->norms.size() / 2);
     TORCH_CHECK(this->kinds.size() == slots && this->weights.size() == slots && this->aux.size() == slots &&
                     this->biases.size() == slots && this->group_sizes.size() == slots &&
                     this->doubled.size() == slots,
                 "casspec Stack: 7 product slots and 2 norms per layer");
+    for (size_t s = 0; s < slots; s += kSlots) {  // q (or q|k|v), o, gate (or gate|up) and down are products;
+      const auto& k = this->kinds;                 // k and v are both fused into q or neither, up into gate or not
+      TORCH_CHECK(k[s] != kNone && k[s + 3] != kNone && k[s + 4] != kNone && k[s + 6] != kNone &&
+                      (k[s + 1] == kNone) == (k[s + 2] == kNone),
+                  "casspec Stack: layer ", s / kSlots, "'s slots do not form its products");
+      for (size_t j = s; j < s + kSlots; ++j) {
+        TORCH_CHECK(k[j] == kNone || this->weights[j].defined(), "casspec Stack: slot ", j, " has no weight");
+      }
+    }
   }
 
   // slot j's product of x [T, in] -> [T, out] in x's dtype, as Transformer._linear / _fused run it (a fused
@@ -201,8 +218,22 @@ struct Stack : torch::CustomClassHolder {
                                          int64_t rows_shared, int64_t rows_end, bool ops, bool own_attention) const {
     TORCH_CHECK(dense_kernel == kBlas || dense_kernel == kMkl, "casspec Stack: dense kernel 1 (blas) or 2 (mkl)");
     const int64_t n_layers = static_cast<int64_t>(norms.size()) / 2;
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_floating_point(),
+                "casspec Stack: x [T, D] floating point on the CPU expected");
+    TORCH_CHECK(k_all.dim() == 4 && v_all.sizes() == k_all.sizes() && k_all.size(0) >= n_layers &&
+                    k_all.size(1) == n_kv_heads && k_all.device().is_cpu() && v_all.device().is_cpu() &&
+                    k_all.scalar_type() == x.scalar_type() && v_all.scalar_type() == x.scalar_type(),
+                "casspec Stack: K and V caches [", n_layers, ", ", n_kv_heads, ", S, hd] of x's dtype expected, got ",
+                k_all.sizes(), " and ", v_all.sizes());
     const int64_t T = x.size(0);
-    const int64_t hd = k_all.size(3);
+    const int64_t hd = k_all.size(3), S = k_all.size(2);
+    TORCH_CHECK(hd >= 2 && hd % 2 == 0, "casspec Stack: an even head size expected, got ", hd);
+    TORCH_CHECK(start >= 0 && start <= S - T && end >= start + T && end <= S, "casspec Stack: slots [", start, ", ",
+                start + T, ") written and [0, ", end, ") read must lie within the cache's ", S);
+    TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+                "casspec Stack: cos and sin [", T, ", ", hd, "] expected, got ", cos.sizes(), " and ", sin.sizes());
+    TORCH_CHECK(!mask || (mask->dim() == 2 && mask->size(0) == T && mask->size(1) == end), "casspec Stack: mask [",
+                T, ", ", end, "] expected");
     const bool gqa = n_heads != n_kv_heads;
     const bool own = ops && x.scalar_type() == at::kFloat;  // casspec's ops run this call's norms and RoPE
     TORCH_CHECK(!own_attention || own, "casspec Stack: its own attention takes float32 with its ops");

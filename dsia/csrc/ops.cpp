@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -116,7 +117,7 @@ template <int64_t C>
                                                int64_t k_stride, const float* values, int64_t v_stride,
                                                const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd,
                                                float scale, float* out, int64_t out_row) {
-  constexpr int64_t kMaxChunks = 16;  // head dims up to 256
+  constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
   const int64_t chunks = C > 0 ? C : (hd + kLanes - 1) / kLanes, R = r1 - r0;
   auto width = [&](int64_t c) { return C > 0 && C * kLanes == hd ? kLanes : std::min(kLanes, hd - c * kLanes); };
   // row r sees count[r] keys; its scores are G runs of padded[r] floats (count rounded up to 16) from first[r]
@@ -231,7 +232,6 @@ __attribute__((target_clones("avx512f", "avx2", "default")))
 void attend(const float* q, int64_t q_row, int64_t q_head, const float* keys, int64_t k_stride, const float* values,
             int64_t v_stride, const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale,
             float* out, int64_t out_row) {
-  TORCH_CHECK(hd <= 256, "casspec attention: head dim over 256");
   switch (hd) {
     case 64:
       return attend_impl<4>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
@@ -245,17 +245,26 @@ void attend(const float* q, int64_t q_row, int64_t q_head, const float* keys, in
   }
 }
 
+// x [T, D]: float32 rows on the CPU, each read with unit stride
 void check_rows(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
-              "casspec ", what, ": float32 CPU rows [T, D] with unit stride");
+  check_tensor(x, what, at::kFloat, 2);
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "casspec ", what, ": rows [T, D] with unit stride");
+}
+
+// weight [D] of a norm over rows of D, and a finite eps >= 0
+void check_norm(const at::Tensor& weight, int64_t D, double eps, const char* what) {
+  check_tensor(weight, what, at::kFloat, 1);
+  TORCH_CHECK(weight.size(0) == D, "casspec ", what, ": weight of ", D, " floats expected, got ", weight.size(0));
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "casspec ", what, ": eps must be finite and >= 0, got ", eps);
 }
 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm");
-  const at::Tensor w = weight.contiguous();
+  check_rows(x, "rms_norm x");
   const int64_t T = x.size(0), D = x.size(1);
+  check_norm(weight, D, eps, "rms_norm weight");
+  const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty({T, D}, x.options());
   for (int64_t t = 0; t < T; ++t) {
     norm_row(x.data_ptr<float>() + t * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
@@ -265,11 +274,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
                                                 double eps) {
-  check_rows(x, "add_rms_norm");
-  check_rows(delta, "add_rms_norm");
-  TORCH_CHECK(x.sizes() == delta.sizes(), "casspec add_rms_norm: x and delta of one shape");
-  const at::Tensor w = weight.contiguous();
+  check_rows(x, "add_rms_norm x");
+  check_rows(delta, "add_rms_norm delta");
+  TORCH_CHECK(x.sizes() == delta.sizes(), "casspec add_rms_norm: x ", x.sizes(), " and delta ", delta.sizes(),
+              " must be of one shape");
   const int64_t T = x.size(0), D = x.size(1);
+  check_norm(weight, D, eps, "add_rms_norm weight");
+  const at::Tensor w = weight.contiguous();
   at::Tensor sum = at::empty({T, D}, x.options());
   at::Tensor out = at::empty({T, D}, x.options());
   for (int64_t t = 0; t < T; ++t) {
@@ -285,10 +296,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
-              "casspec rope: float32 x [heads, T, hd] with unit stride");
-  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  check_tensor(x, "rope x [heads, T, hd]", at::kFloat, 3);
   const int64_t H = x.size(0), T = x.size(1), hd = x.size(2), half = hd / 2;
+  TORCH_CHECK(x.stride(2) == 1 || hd <= 1, "casspec rope: x [heads, T, hd] with unit stride");
+  TORCH_CHECK(hd % 2 == 0, "casspec rope: an even head size expected, got ", hd);
+  check_tensor(cos, "rope cos [T, hd]", at::kFloat, 2);
+  check_tensor(sin, "rope sin [T, hd]", at::kFloat, 2);
+  TORCH_CHECK(cos.size(0) == T && cos.size(1) == hd && sin.sizes() == cos.sizes(), "casspec rope: cos and sin [", T,
+              ", ", hd, "] expected (x's positions and head size), got ", cos.sizes(), " and ", sin.sizes());
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor out = at::empty({H, T, hd}, x.options());
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t t = 0; t < T; ++t) {
@@ -306,22 +322,39 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t end,
                      const std::optional<at::Tensor>& mask, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat && q.dim() == 3 && keys.dim() == 3 && q.stride(2) == 1 &&
-                  keys.stride(2) == 1 && values.stride(2) == 1,
-              "casspec attention: float32 q [H, T, hd], keys and values [Hkv, S, hd] with unit stride");
-  const int64_t H = q.size(0), T = q.size(1), hd = q.size(2), Hkv = keys.size(0), G = H / Hkv;
-  TORCH_CHECK(G * Hkv == H && end <= keys.size(1) && end >= T, "casspec attention: heads or slots out of range");
+  check_tensor(q, "attention q [H, T, hd]", at::kFloat, 3);
+  check_tensor(keys, "attention keys [Hkv, S, hd]", at::kFloat, 3);
+  check_tensor(values, "attention values [Hkv, S, hd]", at::kFloat, 3);
+  const int64_t H = q.size(0), T = q.size(1), hd = q.size(2), Hkv = keys.size(0);
+  TORCH_CHECK(H >= 1 && Hkv >= 1 && H % Hkv == 0, "casspec attention: ", H, " query heads over ", Hkv,
+              " KV heads (at least one each, the query heads a multiple of the KV heads)");
+  TORCH_CHECK(hd >= 1 && hd <= kMaxHeadDim, "casspec attention: head size 1..", kMaxHeadDim, " expected, got ", hd);
+  TORCH_CHECK(keys.size(2) == hd && values.sizes() == keys.sizes(), "casspec attention: keys and values [", Hkv,
+              ", S, ", hd, "] expected, got ", keys.sizes(), " and ", values.sizes());
+  TORCH_CHECK(q.stride(2) == 1 && keys.stride(2) == 1 && values.stride(2) == 1,
+              "casspec attention: q, keys and values with unit stride over the head");
+  TORCH_CHECK(end >= T && end <= keys.size(1), "casspec attention: end ", end, " must cover the ", T,
+              " query rows and lie within the ", keys.size(1), " slots");
+  TORCH_CHECK(std::isfinite(scale), "casspec attention: a finite scale expected, got ", scale);
   at::Tensor m;
   if (mask) {
+    TORCH_CHECK(mask->defined() && mask->device().is_cpu() && mask->dim() == 2 && mask->size(0) == T &&
+                    mask->size(1) == end,
+                "casspec attention: mask [", T, ", ", end, "] on the CPU expected, got ",
+                mask->defined() ? mask->sizes() : at::IntArrayRef{});
     m = mask->to(at::kBool).contiguous();
-    TORCH_CHECK(m.size(0) == T && m.size(1) == end, "casspec attention: mask [T, end]");
+    const bool* rows = m.data_ptr<bool>();
+    for (int64_t t = 0; t < T; ++t) {  // (a row that sees no key has no softmax)
+      TORCH_CHECK(std::find(rows + t * end, rows + (t + 1) * end, true) != rows + (t + 1) * end,
+                  "casspec attention: query row ", t, " of the mask sees no key");
+    }
   }
   at::Tensor out = at::empty({T, H * hd}, q.options());  // [T, H*hd]: the output projection's input
+  const int64_t G = H / Hkv;
   const Visible seen{m.defined() ? m.data_ptr<bool>() : nullptr, T, end};
   const int64_t blocks = (T + kRowBlock - 1) / kRowBlock, items = Hkv * blocks;  // (KV head, block of rows)
   const int64_t work = T * H * end * hd;  // multiply-adds of the scores (at most)
-  const int64_t grain = work > kParallelWork ? 1 : items;  // (small ones on one thread: waking another costs more)
+  const int64_t grain = work > kParallelWork ? 1 : std::max<int64_t>(1, items);  // (small ones on one thread)
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t stop) {
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t g = item % Hkv, r0 = item / Hkv * kRowBlock;

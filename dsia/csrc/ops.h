@@ -9,8 +9,20 @@
 
 namespace casspec {
 
+constexpr int64_t kMaxHeadDim = 256;  // the widest attention head the ops take (16 chunks of 16 floats)
 constexpr int64_t kParallelWork = 1 << 18;  // an attention or a block product of more multiply-adds than this runs
                                             // on every thread (fewer: waking the other costs more)
+
+// Every op checks each tensor argument before it reads one: dtype, device, dims, the sizes it indexes and unit
+// strides where it reads rows directly (an untrusted model file or a caller's mistake gives an error, never a read
+// outside a tensor or a trap). `what` names the op and the argument in the error.
+inline void check_tensor(const at::Tensor& t, const char* what, at::ScalarType dtype, int64_t dims) {
+  TORCH_CHECK(t.defined(), "casspec ", what, ": a tensor is required");
+  TORCH_CHECK(t.scalar_type() == dtype, "casspec ", what, ": ", c10::toString(dtype), " expected, got ",
+              c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.device().is_cpu(), "casspec ", what, ": a CPU tensor expected, got one on ", t.device().str());
+  TORCH_CHECK(t.dim() == dims, "casspec ", what, ": ", dims, " dims expected, got ", t.dim());
+}
 
 // RMSNorm of x [T, D] (float32) with weight [D]: [T, D]
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

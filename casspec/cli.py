@@ -12,6 +12,7 @@ from typing import Sequence
 from dsia.errors import CasspecError
 from dsia.kernels import KERNELS
 from dsia.levels import LevelConfig
+from dsia.model import DEFAULT_CONTEXT
 from dytc.sources import DEFAULT_BOTTOM
 
 from .native import WEIGHTS
@@ -27,7 +28,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (cuda)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
-    p.add_argument("--max-context", type=int, default=None, help="cap the context window (tokens)")
+    p.add_argument("--max-context", type=int, default=None, help="the context window in tokens: the KV cache and "
+                   f"RoPE tables are sized by it (default: the model's, at most {DEFAULT_CONTEXT})")
     p.add_argument("--kernels", default="auto", choices=["auto", *KERNELS], help="the target's dense products: "
                    "auto (the fastest on this machine, measured once and cached) or one kernel forced")
     p.add_argument("--no-graphs", action="store_true", help="on a GPU, run every forward eagerly instead of "

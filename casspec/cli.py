@@ -134,7 +134,24 @@ def _serve_args(sub) -> None:
                    "KEY' on /v1/* (default: $CASSPEC_API_KEY; none: no key)")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
                    "checkpoint's name)")
+    s.add_argument("--allowed-hosts", default="", help="comma-separated names the Host header may give besides "
+                   "localhost, 127.0.0.1, ::1 and --host; another gets 421 (against DNS rebinding); '*': any")
     _autoprofile(s)
+    _limits_args(s)
+
+
+def _limits_args(s: argparse.ArgumentParser) -> None:
+    """serve's bounds on what one call and its client may cost: an option per calls.Limits field, its default."""
+    from dataclasses import fields
+
+    from .calls import LIMITS_HELP, Limits
+
+    g = s.add_argument_group("limits", "what one call and its client may cost (a call over a limit gets 400 naming "
+                             "the parameter)")
+    for f in fields(Limits):
+        default = "" if f.default is None else " (default %(default)s)"
+        g.add_argument(f"--{f.name.replace('_', '-')}", type=float if isinstance(f.default, float) else int,
+                       default=f.default, help=LIMITS_HELP[f.name] + default)
 
 
 def _run_sampling(p) -> None:
@@ -250,10 +267,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise CasspecError(f"casspec serve needs its extra ({e.name} is missing): pip install 'casspec[serve]'") \
             from None
+    from dataclasses import fields
+
+    from .calls import Limits
+
     # validate everything and take the port before the (slow) load
+    limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
+    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     cfg = ServeConfig(model_name=args.served_model_name, method=args.method, level=args.level,
                       levels=_levels_list(args.levels), bottom=args.bottom, max_queue=args.max_queue,
-                      api_key=args.api_key)
+                      api_key=args.api_key, limits=limits, allowed_hosts=(*hosts, args.host))
     sock = bind(args.host, args.port)
     serve(_engine(args), cfg, sock)
     return 0

@@ -37,6 +37,8 @@ class Metrics:
         self.cancelled = 0  # generations stopped because their client went away
         self.failed = 0  # generations that raised
         self.queue_full = 0  # requests turned away with 429
+        self.timed_out = 0  # requests past their deadline: generations stopped (finish_reason length) and waiting
+        # calls given up (503)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.generation_seconds = 0.0  # wall time of the generations (prefill included; queueing not)
@@ -73,6 +75,10 @@ class Metrics:
         with self._lock:
             self.queue_full += 1
 
+    def add_timeout(self) -> None:
+        with self._lock:
+            self.timed_out += 1
+
     def mean_generation_seconds(self) -> float:
         """Mean wall time of the generations so far (0 before the first)."""
         with self._lock:
@@ -97,6 +103,8 @@ class Metrics:
             metric("request_failed_total", "counter", "Generations that failed with an error.", [("", self.failed)])
             metric("request_queue_full_total", "counter", "Requests refused with 429 because the queue was full.",
                    [("", self.queue_full)])
+            metric("request_timeout_total", "counter", "Requests past their deadline: generations stopped there "
+                   "(finish_reason length) and waiting requests given up (503).", [("", self.timed_out)])
             metric("prompt_tokens_total", "counter", "Prompt tokens of the generations.", [("", self.prompt_tokens)])
             metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
             metric("request_generation_seconds_total", "counter", "Wall time of the generations (queueing not "

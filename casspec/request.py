@@ -30,7 +30,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise CasspecError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
+            raise CasspecError(f"max_new_tokens must be an integer >= 1 (got {repr(self.max_new_tokens)[:40]})")
         if self.method not in METHODS:
             raise CasspecError(f"unknown method {self.method!r}: use one of {', '.join(METHODS)}")
         LevelConfig.parse(self.level)  # a clear error for a bad level name, before any work
@@ -42,7 +42,7 @@ class Request:
             raise CasspecError(f"unknown bottom {self.bottom!r}: use one of {', '.join(BOTTOMS)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):
-            raise CasspecError(f"seed must be an integer in [0, 2**64) (got {self.seed!r})")
+            raise CasspecError(f"seed must be an integer in [0, 2**64) (got {repr(self.seed)[:40]})")
         if any(not s for s in self.stop):
             raise CasspecError("stop strings must not be empty: drop the empty --stop")
 

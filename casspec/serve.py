@@ -3,11 +3,17 @@
 Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/completions and
 POST /v1/chat/completions, blocking or streamed as server-sent events.
 
-Scheduling: a handler checks a call (the CLI's checks and messages), templates and tokenizes its prompt, and puts
-it in a bounded FIFO queue (full: 429 with Retry-After). One worker thread takes the calls in arrival order and
-runs each to its end on the engine, one at a time: several requests are not batched into one forward (yet).
-A client that disconnects cancels its call: a waiting one is dropped, a running one stops after the engine step
-that is running (the cancel event of `Engine.stream_ids`).
+Scheduling: a handler checks a call (the CLI's checks and messages), templates and tokenizes its prompt in a thread
+of the event loop's pool, and puts it in a bounded FIFO queue (full: 429 with Retry-After). One worker thread takes
+the calls in arrival order and runs each to its end on the engine, one at a time (`scheduler.py`): several requests
+are not batched into one forward (yet). A client that disconnects cancels its call: a waiting one is dropped, a
+running one stops after the engine step that is running (the cancel event of `Engine.stream_ids`).
+
+Bounds: a call is measured against `calls.Limits` before any work (body, prompt, stops, max_tokens); it has a
+deadline (`request_timeout`); a client may stall `client_timeout` seconds at most (a request's head or body, or a
+stream it does not read); connections are capped (uvicorn's limit_concurrency); the Host header must name this
+server (against DNS rebinding) and a POST must be application/json. An unexpected error is a 500 with a generic
+message and one log line; the server keeps serving.
 """
 from __future__ import annotations
 
@@ -15,37 +21,38 @@ import asyncio
 import hmac
 import json
 import logging
-import math
-import queue
 import socket
 import sys
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from typing import AsyncIterator, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from dsia.errors import CasspecError
 from dytc.sources import DEFAULT_BOTTOM
 
-from .calls import ApiError, Call, parse_call
+from .calls import ApiError, Call, Limits, check_positive, parse_call, read_json
 from .engine import Engine
+from .guard import ANY_HOST, LOCAL_HOSTS, Guard, HeadTimeoutProtocol, check_json, hostname, read_body
 from .metrics import CONTENT_TYPE, Metrics
 from .request import Request
-from .stats import Result, Stats
+from .scheduler import Job, Scheduler
+from .stats import Stats
 
 log = logging.getLogger("casspec.serve")
-
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # engine -> OpenAI
 
 
 @dataclass(frozen=True)
@@ -57,10 +64,16 @@ class ServeConfig:
     bottom: str = DEFAULT_BOTTOM  # statistical lookups beneath the levels
     max_queue: int = 32  # calls that may wait behind the running one; one more gets 429
     api_key: str | None = None  # when set, /v1/* need the header "Authorization: Bearer <key>"
+    limits: Limits = Limits()  # what one call and its client may cost: body, prompt, stops, max_tokens, deadline,
+    # stalls, connections (calls.Limits)
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides LOCAL_HOSTS and the bound address ("*": any)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 1:
-            raise CasspecError(f"max_queue must be an integer >= 1 (got {self.max_queue!r})")
+        check_positive("max_queue", self.max_queue)
+        for host in self.allowed_hosts:
+            if not host or any(c.isspace() or c in "/@?#" for c in host):
+                raise CasspecError(f"allowed host {host!r} is not a host name: give names like example.com or "
+                                   f"10.0.0.5, or {ANY_HOST!r} for any")
         if self.api_key is not None and not self.api_key.strip():
             raise CasspecError("the API key is empty: pass a non-empty --api-key, or none to serve without one")
         self.template  # a bad method, level or source list is refused here, before any work
@@ -70,94 +83,11 @@ class ServeConfig:
         """The Request every call starts from (method and sources); a call sets its tokens, sampling, stops, seed."""
         return Request(method=self.method, level=self.level, levels=self.levels, bottom=self.bottom)
 
-
-# ---------------------------------------------------------------------- the queue and the engine's worker
-@dataclass
-class Job:
-    """A call on its way through the queue. The worker reports to the handler's event loop through `events`:
-    ("piece", text)... (streaming calls only), then ("done", Result) or ("error", ApiError)."""
-    call: Call
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancel: threading.Event = field(default_factory=threading.Event)  # set: its client went away
-    arrived: float = field(default_factory=time.perf_counter)
-
-    def send(self, kind: str, payload: object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-        except RuntimeError:  # the event loop is closed (shutting down): no one is listening
-            self.cancel.set()
-
-
-class Scheduler:
-    """A bounded FIFO queue of jobs and the one worker thread that runs them on the engine, one at a time."""
-
-    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics) -> None:
-        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue()  # bounded by submit (None, the stop mark, is not)
-        self._submit = threading.Lock()  # makes submit's check-then-put atomic
-        self.running: Job | None = None
-        self.thread = threading.Thread(target=self._work, name="casspec-engine", daemon=True)
-
-    @property
-    def waiting(self) -> int:
-        return self.jobs.qsize()
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        """Cancel the running job, turn the waiting ones away, and end the worker."""
-        if (job := self.running) is not None:
-            job.cancel.set()
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.send("error", ApiError(503, "the server is shutting down", "shutting_down"))
-        self.jobs.put(None)
-        self.thread.join(timeout=60)
-
-    def submit(self, job: Job) -> None:
-        with self._submit:
-            if self.jobs.qsize() >= self.max_queue:
-                self.metrics.add_queue_full()
-                raise ApiError(429, f"the queue is full ({self.max_queue} requests wait for the engine): retry later",
-                               "queue_full", headers={"Retry-After": str(self.retry_after())})
-            self.jobs.put(job)
-
-    def retry_after(self) -> int:
-        """Seconds until a place in the queue is likely free: a generation's mean time so far (at least 1)."""
-        return max(1, math.ceil(self.metrics.mean_generation_seconds()))
-
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancel.is_set():  # its client went away while it waited
-                continue
-            self.running = job
-            try:
-                self._run(job)
-            finally:
-                self.running = None
-
-    def _run(self, job: Job) -> None:
-        started = time.perf_counter()
-        try:
-            for piece in self.engine.stream_ids(job.call.prompt_ids, job.call.request, job.cancel):
-                if job.call.stream:
-                    job.send("piece", piece)
-            result = self.engine.last_result
-        except Exception as e:  # the call was checked: the server's set-up, a bug or the device. Report, keep serving
-            if not isinstance(e, CasspecError):
-                log.exception("generation failed")
-            self.metrics.add_failed()
-            job.send("error", ApiError(500, f"the generation failed ({type(e).__name__}: {e})", "internal_error"))
-            return
-        self.metrics.add_generation(result.stats, FINISH_REASONS.get(result.stats.finish_reason),
-                                    started - job.arrived + result.stats.first_token_seconds)
-        job.send("done", result)
+    def hosts(self, bound: str) -> frozenset[str] | None:
+        """The Host names a server bound to `bound` answers (None: any)."""
+        if ANY_HOST in self.allowed_hosts:
+            return None
+        return frozenset(hostname(h) for h in (*LOCAL_HOSTS, bound, *self.allowed_hosts))
 
 
 # ---------------------------------------------------------------------- responses
@@ -182,16 +112,21 @@ def _sse(obj: dict) -> str:
 
 
 class JobStream(StreamingResponse):
-    """A job's server-sent events. However the response ends (the job done, or the client gone) the job is
-    cancelled: a client that disconnects stops its generation at the next step."""
+    """A job's server-sent events. However the response ends (the job done, the client gone, or a client that took
+    nothing for `send_timeout` seconds: dropped) the job is cancelled: its generation stops at the next step."""
 
-    def __init__(self, chunks: AsyncIterator[str], job: Job) -> None:
+    def __init__(self, chunks: AsyncIterator[str], job: Job, send_timeout: float) -> None:
         super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.job = job
+        self.job, self.send_timeout = job, send_timeout
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            await asyncio.wait_for(send(message), self.send_timeout)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed)
+        except TimeoutError:
+            log.warning("dropped a client that took no stream data for %g s", self.send_timeout)
         finally:
             self.job.cancel.set()
 
@@ -202,13 +137,16 @@ async def _disconnected(request: HttpRequest) -> None:
         pass
 
 
+
+
 class Api:
     """The endpoints over one engine."""
 
-    def __init__(self, engine: Engine, cfg: ServeConfig) -> None:
+    def __init__(self, engine: Engine, cfg: ServeConfig, bound: str = "127.0.0.1") -> None:
         self.engine, self.cfg = engine, cfg
         self.name = cfg.model_name or engine.name
         self.template = cfg.template
+        self.hosts = cfg.hosts(bound)
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, cfg.max_queue, self.metrics)
         self.created = int(time.time())
@@ -224,8 +162,8 @@ class Api:
                   Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
-        return Starlette(routes=routes, lifespan=lifespan,
-                         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _crash})
+        return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, hosts=self.hosts)],
+                         exception_handlers={ApiError: _api_error, HTTPException: _http_error})
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: HttpRequest) -> Response:
@@ -243,7 +181,7 @@ class Api:
     async def model(self, request: HttpRequest) -> Response:
         self._authorize(request)
         if request.path_params["model"] != self.name:
-            raise ApiError(404, f"the model {request.path_params['model']!r} does not exist: this server serves "
+            raise ApiError(404, f"the model {request.path_params['model'][:60]!r} does not exist: this server serves "
                            f"{self.name!r}", "model_not_found", "model")
         return JSONResponse(self._model_card())
 
@@ -267,26 +205,46 @@ class Api:
             raise ApiError(401, "wrong API key", "invalid_api_key")
 
     async def _complete(self, request: HttpRequest, chat: bool) -> Response:
+        """Check a call, queue it and answer it. The key, the content type and the queue's room are checked before
+        the body is read (a body refused is not read by the app: uvicorn discards it, for at most client_timeout
+        seconds); the prompt is templated and tokenized in the loop's thread pool, not on the engine's thread."""
+        deadline = time.monotonic() + self.cfg.limits.request_timeout
         self._authorize(request)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON", "invalid_json") from None
-        call = await run_in_threadpool(parse_call, body, chat, self.engine, self.template, self.name)
-        job = Job(call, asyncio.get_running_loop())
+        check_json(request)
+        self.scheduler.check_room()
+        raw = await read_body(request, self.cfg.limits.max_body_bytes, self.cfg.limits.client_timeout)
+        call = await run_in_threadpool(self._parse, raw, chat)
+        job = Job(call, asyncio.get_running_loop(), deadline)
         self.scheduler.submit(job)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.name}
         if call.stream:
             head["object"] = "chat.completion.chunk" if chat else "text_completion"
-            return JobStream(self._chunks(job, chat, head), job)
+            return JobStream(self._chunks(job, chat, head), job, self.cfg.limits.client_timeout)
         head["object"] = "chat.completion" if chat else "text_completion"
         return await self._answer(request, job, chat, head)
+
+    def _parse(self, raw: bytes, chat: bool) -> Call:
+        return parse_call(read_json(raw), chat, self.engine, self.template, self.name, self.cfg.limits)
+
+    async def _next(self, job: Job) -> tuple[str, object]:
+        """The job's next event; a job still waiting for the engine at its deadline is given up (503)."""
+        if not job.started:
+            try:
+                return await asyncio.wait_for(job.events.get(), max(0.0, job.deadline - time.monotonic()))
+            except TimeoutError:
+                if not job.started:
+                    job.cancel.set()
+                    self.metrics.add_timeout()
+                    raise ApiError(503, f"the call waited for the engine past its deadline "
+                                   f"({self.cfg.limits.request_timeout:g} s): retry later", "timeout",
+                                   headers={"Retry-After": str(self.scheduler.retry_after())}) from None
+        return await job.events.get()
 
     async def _answer(self, request: HttpRequest, job: Job, chat: bool, head: dict) -> Response:
         """A blocking call's response; a client that goes away while it waits cancels its job."""
         gone = asyncio.ensure_future(_disconnected(request))
-        event = asyncio.ensure_future(job.events.get())
+        event = asyncio.ensure_future(self._next(job))
         try:
             await asyncio.wait({gone, event}, return_when=asyncio.FIRST_COMPLETED)
             if not event.done():
@@ -294,8 +252,7 @@ class Api:
             kind, payload = event.result()
             if kind == "error":
                 raise payload
-            result: Result = payload
-            finish = FINISH_REASONS.get(result.stats.finish_reason)
+            result, finish = payload
             return JSONResponse({**head, "choices": [_choice(chat, result.text, finish, delta=False)],
                                  "usage": usage(result.stats), "casspec": result.stats.speculative()})
         finally:
@@ -305,26 +262,29 @@ class Api:
 
     async def _chunks(self, job: Job, chat: bool, head: dict) -> AsyncIterator[str]:
         """The stream: (chat: the role first) a chunk per text piece, then the finish_reason with the `casspec`
-        statistics, then (stream_options.include_usage) a chunk with the usage, then [DONE]."""
+        statistics, then (stream_options.include_usage) a chunk with the usage, then [DONE]. An error (a job given
+        up at its deadline, a failed generation) is an event of its own, then [DONE]."""
         if job.call.include_usage:
             head = {**head, "usage": None}
         if chat:
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
         while True:
-            kind, payload = await job.events.get()
+            try:
+                kind, payload = await self._next(job)
+            except ApiError as e:
+                kind, payload = "error", e
             if kind == "piece":
                 yield _sse({**head, "choices": [_choice(chat, payload, None, delta=True)]})
                 continue
             if kind == "error":
                 yield _sse(payload.body())
             else:
-                stats = payload.stats
-                finish = FINISH_REASONS.get(stats.finish_reason)
+                result, finish = payload
                 yield _sse({**head, "choices": [_choice(chat, None, finish, delta=True)],
-                            "casspec": stats.speculative()})
+                            "casspec": result.stats.speculative()})
                 if job.call.include_usage:
-                    yield _sse({**head, "choices": [], "usage": usage(stats)})
+                    yield _sse({**head, "choices": [], "usage": usage(result.stats)})
             break
         yield "data: [DONE]\n\n"
 
@@ -337,13 +297,8 @@ async def _api_error(request: HttpRequest, exc: Exception) -> Response:
 async def _http_error(request: HttpRequest, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     codes = {404: "not_found", 405: "method_not_allowed"}
-    return ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+    return ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path[:200]}",
                     codes.get(exc.status_code, "http_error")).response()
-
-
-async def _crash(request: HttpRequest, exc: Exception) -> Response:
-    log.error("request failed", exc_info=exc)
-    return ApiError(500, f"internal error ({type(exc).__name__}: {exc})", "internal_error").response()
 
 
 # ---------------------------------------------------------------------- running it
@@ -363,18 +318,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def server(engine: Engine, cfg: ServeConfig, log_level: str = "info") -> uvicorn.Server:
-    return uvicorn.Server(uvicorn.Config(Api(engine, cfg).app(), log_level=log_level, timeout_graceful_shutdown=5))
+def server(engine: Engine, cfg: ServeConfig, sock: socket.socket, log_level: str = "info") -> uvicorn.Server:
+    """uvicorn over the app; limit_concurrency counts the connection it answers: one more than max_connections."""
+    app = Api(engine, cfg, bound=sock.getsockname()[0]).app()
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                                         limit_concurrency=cfg.limits.max_connections + 1,
+                                         http=partial(HeadTimeoutProtocol, head_timeout=cfg.limits.client_timeout)))
 
 
 def serve(engine: Engine, cfg: ServeConfig, sock: socket.socket) -> None:
     """Serve until interrupted (Ctrl+C: uvicorn shuts down gracefully, the running generation is cancelled and
     waiting calls get 503)."""
     host, port = sock.getsockname()[:2]
+    hosts = cfg.hosts(host)
     print(f"casspec: serving {cfg.model_name or engine.name} (method {cfg.method}) at http://{host}:{port}/v1 "
-          f"(queue {cfg.max_queue}{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
+          f"(queue {cfg.max_queue}{', API key required' if cfg.api_key else ''}; Host names answered: "
+          f"{'any' if hosts is None else ', '.join(sorted(hosts))})", file=sys.stderr, flush=True)
     try:
-        server(engine, cfg).run(sockets=[sock])
+        server(engine, cfg, sock).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it shut down for
         pass
     print("casspec: stopped", file=sys.stderr)
@@ -385,7 +346,7 @@ def background(engine: Engine, cfg: ServeConfig, log_level: str = "warning") -> 
     """A real server on 127.0.0.1 and a free port, in a thread of this process (tests, scripts/serve_bench.py);
     yields its base URL and stops it after."""
     sock = bind("127.0.0.1", 0)
-    srv = server(engine, cfg, log_level)
+    srv = server(engine, cfg, sock, log_level)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, name="casspec-serve", daemon=True)
     thread.start()
     try:

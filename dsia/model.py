@@ -63,8 +63,8 @@ def _config_int(cfg, name: str, default: int | None = None) -> int:
 def _checked_int(name: str, value: object) -> int:
     lo, hi = SPEC_LIMITS[name]
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise CasspecError(f"the model config's {name} is {repr(value)[:40]}: casspec takes an integer in [{lo}, {hi}]; the "
-                           "config.json (or GGUF header) is corrupt or of an unsupported model")
+        raise CasspecError(f"the model config's {name} is {repr(value)[:40]}: casspec takes an integer in [{lo}, "
+                           f"{hi}]; the config.json (or GGUF header) is corrupt or of an unsupported model")
     return value
 
 
@@ -99,8 +99,8 @@ class ModelSpec:
         if partial is None and isinstance(rope, dict):
             partial = rope.get("partial_rotary_factor")
         if partial is not None and partial != 1.0:
-            raise CasspecError(f"partial_rotary_factor {repr(partial)[:40]} is not supported: casspec rotates the whole head "
-                               "(factor 1.0); use a checkpoint without partial rotary embeddings")
+            raise CasspecError(f"partial_rotary_factor {repr(partial)[:40]} is not supported: casspec rotates the "
+                               "whole head (factor 1.0); use a checkpoint without partial rotary embeddings")
         dim = _config_int(cfg, "hidden_size")
         n_heads = _config_int(cfg, "num_attention_heads")
         n_kv_heads = _config_int(cfg, "num_key_value_heads", n_heads)
@@ -113,8 +113,8 @@ class ModelSpec:
                                "numbers, so it must be even; the config is corrupt or of an unsupported model")
         eps = getattr(cfg, "rms_norm_eps", None)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-            raise CasspecError(f"the model config's rms_norm_eps is {repr(eps)[:40]}: casspec takes a number in [0, 1); the "
-                               "config is corrupt or of an unsupported model")
+            raise CasspecError(f"the model config's rms_norm_eps is {repr(eps)[:40]}: casspec takes a number in "
+                               "[0, 1); the config is corrupt or of an unsupported model")
         max_ctx = _config_int(cfg, "max_position_embeddings")
         window = getattr(cfg, "sliding_window", None)
         if window and (arch == "mistral" or getattr(cfg, "use_sliding_window", False)):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,15 +50,20 @@ def f32_gguf(src: Path) -> Path:
     with locked(dst):
         if not dst.is_file():
             dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+            # written in a private folder of an unpredictable name (llama.cpp opens its output by path, following
+            # links: a predictable name in the cache would let a planted link redirect the write)
+            folder = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}."))
+            tmp = folder / dst.name
             params = lib.llama_model_quantize_default_params()
             params.ftype = LLAMA_FTYPE_ALL_F32
             params.allow_requantize = True
-            if lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
-                tmp.unlink(missing_ok=True)
-                raise CasspecError(f"llama.cpp could not dequantize {src} to F32: check that llama-cpp-python "
-                                   "matches the file's GGUF version")
-            os.replace(tmp, dst)
+            try:
+                if lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+                    raise CasspecError(f"llama.cpp could not dequantize {src} to F32: check that llama-cpp-python "
+                                       "matches the file's GGUF version")
+                os.replace(tmp, dst)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
     return dst
 
 

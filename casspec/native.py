@@ -10,7 +10,8 @@ method verifies against it, and every level is a plan over it (what a level does
 
 The dense float32 weights the loader dequantized from the same file stay loaded: the blocks are matched to them
 row for row (which also undoes llama.cpp's reordering of the q/k rows for RoPE), and levels that build from
-weights (a quantized copy, a sparse gather) read them.
+weights (a quantized copy, a sparse gather) read them. The file is checked by casspec's bounded reader
+(casspec/ggufcheck.py) before gguf's reader opens it (the same open file).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from dsia.fastloop import build_error
 from dsia.model import FUSED_GROUPS, Transformer
 from dsia.plan import Plan
 from dsia.quant import FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
+
+from .ggufcheck import GGUFFile
 
 WEIGHTS = ("float", "native")  # what --weights takes
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # run by packed kernels
@@ -105,8 +108,9 @@ def native_plan(gguf: Path, model: Transformer) -> Plan:
 
     if model.device.type != "cpu":
         raise CasspecError("--weights native runs torch's packed CPU kernels: use --device cpu (or --weights float)")
-    reader = GGUFReader(str(gguf))
-    tensors = {t.name: t for t in reader.tensors}
+    with GGUFFile(gguf) as src:
+        src.header()  # casspec's bounded check first (ggufcheck.py), then gguf's reader, of the same open file
+        tensors = {t.name: t for t in GGUFReader(str(src.reader_path)).tensors}
     stored = {}  # (layer, projection) or "head" -> (kind, q, d, m) in the runtime's row order
     targets = {(i, p): w for i, lw in enumerate(model.layers) for p, w in lw.projections().items()}
     targets["head"] = model.lm_head

@@ -6,20 +6,24 @@ would start from priors each time and spend its first steps relearning; instead 
 previous call left in the user cache (`state/<model>-<dtype>-<key>.json`) and writes it back after each
 generation (atomically). The key is the machine (CPU model and flags, GPU, torch, threads), the model and the
 dtype; inside, each tracker is kept under its router configuration (its levels and lookups), and the latency
-model under the profile it grew from, so a new profile starts afresh. A corrupt, stale or foreign file is ignored.
+model under the profile it grew from, so a new profile starts afresh. The file is written with its checksum
+(`<file>.sha256`) and read back only if it matches (usercache.read_verified) and passes the JSON bounds; a corrupt,
+stale or foreign file (another user's, a link planted by one) is ignored.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsia.errors import CasspecError
 from dytc.acceptance import AcceptanceTracker
 from dytc.latency import LatencyModel
 
 from .autoprofile import profile_key
 from .loading import cache_root
-from .usercache import digest, read_json, write_json
+from .usercache import digest, parse_json, read_verified, write_verified
 
 STATE_VERSION = 2  # bump when the layout of the file changes: older files are then ignored (2: latency anchors)
 
@@ -37,8 +41,11 @@ class StateFile:
 
     def load(self, latency_source: str) -> tuple[LatencyModel | None, dict[str, AcceptanceTracker]]:
         """(the latency model learned from `latency_source`, or None; the trackers by router configuration)."""
-        data = read_json(self.path)
-        if data is None or data.get("version") != STATE_VERSION or data.get("key") != self.key:
+        try:
+            data = parse_json(read_verified(self.path), str(self.path))
+        except (OSError, CasspecError):  # none yet, or not what was written
+            return None, {}
+        if not isinstance(data, dict) or data.get("version") != STATE_VERSION or data.get("key") != self.key:
             return None, {}
         try:
             latency = None
@@ -50,5 +57,6 @@ class StateFile:
         return latency, trackers
 
     def save(self, latency: LatencyModel, latency_source: str, trackers: dict[str, AcceptanceTracker]) -> None:
-        write_json(self.path, {"version": STATE_VERSION, "key": self.key, "latency_source": latency_source,
-                               "latency": latency.to_json(), "trackers": {c: t.to_json() for c, t in trackers.items()}})
+        data = {"version": STATE_VERSION, "key": self.key, "latency_source": latency_source,
+                "latency": latency.to_json(), "trackers": {c: t.to_json() for c, t in trackers.items()}}
+        write_verified(self.path, json.dumps(data, indent=1).encode())

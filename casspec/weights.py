@@ -7,24 +7,38 @@ tensors come from the files directly: config.json gives the ModelSpec, the safet
 the dtype as from_pretrained casts them), and the RoPE frequencies are computed as transformers computes its
 default rotary embedding. A checkpoint this reader does not cover (another RoPE type, weights not in safetensors)
 returns None and goes through transformers as before; the HF model is then loaded.
+
+The files read are the ones the checkpoint lists (model.safetensors.index.json's shards, else model.safetensors; a
+cache entry: its manifest's, each checked against its sha256 from the bytes read). config.json is read with the
+user cache's JSON bounds, and a safetensors file is checked before use (read_safetensors): its header length within
+SAFETENSORS_MAX_HEADER and the file, known dtypes, each shape's byte size equal to its offset range, the ranges
+contiguous from 0 to the file's end; the tensors are views of the one buffer checked (and, for a cache file, read
+and hashed): what is checked is what is loaded.
 """
 from __future__ import annotations
 
-import json
+import mmap
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors.torch import load_file
 
 from dsia.errors import CasspecError
 from dsia.model import LayerWeights, ModelSpec, Transformer
+
+from .usercache import ChecksumError, open_regular, parse_json, read_hashed, read_json_file
 
 PROJECTIONS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
                "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
 LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a layer's tensor names
 BIASED = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj"}  # Qwen2's q/k/v bias
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own cap on its JSON header
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # safetensors dtype -> torch
 
 
 def rope_theta(config: dict) -> float | None:
@@ -44,17 +58,44 @@ def inv_freq(theta: float, head_dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
-def read_runtime(path: Path, dtype: torch.dtype, device: torch.device) -> Transformer | None:
-    """The runtime over the checkpoint in `path`, or None when this reader does not cover it."""
-    config = json.loads((path / "config.json").read_text())
-    files = sorted(path.glob("*.safetensors"))
+def read_config(path: Path) -> dict:
+    """The checkpoint folder's config.json, read with the JSON bounds (CasspecError: unreadable or malformed)."""
+    try:
+        config = read_json_file(path / "config.json")  # (a CasspecError names the file and the fix itself)
+    except OSError as e:
+        raise CasspecError(f"cannot read {path / 'config.json'} ({e.strerror or e}): fix or replace the file") from None
+    if not isinstance(config, dict):
+        raise CasspecError(f"{path / 'config.json'} is not a JSON object: fix or replace the file")
+    return config
+
+
+def checkpoint_files(path: Path) -> list[str]:
+    """The safetensors files of a checkpoint folder as transformers picks them: the shards its
+    model.safetensors.index.json names, else model.safetensors (none: this reader does not cover it)."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return ["model.safetensors"] if (path / "model.safetensors").is_file() else []
+    shards = read_json_file(index).get("weight_map", {}).values()
+    bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s or not s.endswith(".safetensors")]
+    if bad:
+        raise CasspecError(f"{index} names the shard {str(bad[0])[:60]!r}, not a .safetensors file of the folder: "
+                           "fix or replace it")
+    return sorted(set(shards))
+
+
+def read_runtime(path: Path, dtype: torch.dtype, device: torch.device,
+                 checksums: dict[str, str] | None = None) -> Transformer | None:
+    """The runtime over the checkpoint in `path`, or None when this reader does not cover it. checksums (a cache
+    entry): its safetensors files and their sha256, checked from the bytes read (ChecksumError)."""
+    config = read_config(path)
+    files = sorted(checksums) if checksums is not None else checkpoint_files(path)
     theta = rope_theta(config)
     if theta is None or not files:
         return None
     spec = ModelSpec.from_hf_config(SimpleNamespace(**config))
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        state.update(read_safetensors(path / f, checksums[f] if checksums is not None else None)[0])
 
     def w(name: str) -> torch.Tensor:
         return state[name].to(device=device, dtype=dtype)
@@ -123,7 +164,86 @@ def check_tensors(state: dict[str, torch.Tensor], spec: ModelSpec, config: dict)
 def generation_eos(path: Path) -> tuple[int, ...]:
     """The eos_token_id(s) of the folder's generation_config.json (none when it has none)."""
     try:
-        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
+        eos = read_json_file(path / "generation_config.json").get("eos_token_id")
+        return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+    except (OSError, CasspecError, AttributeError, TypeError, ValueError):
         return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+
+
+# ------------------------------------------------------------------------------------------------ safetensors
+def read_safetensors(path: Path, sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, checked before a tensor is made. With sha256 (a file of the user
+    cache; a link is refused) it is read once into memory and those bytes are checked against it: what was hashed is
+    what is loaded. Without (a checkpoint folder) it is mapped, copy-on-write, as safetensors' own loader maps it."""
+    with open_regular(path, nofollow=sha256 is not None) as f:
+        size = os.fstat(f.fileno()).st_size
+        if sha256 is None and size > 0:
+            return parse_safetensors(torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY),
+                                                      dtype=torch.uint8), str(path))
+        buf = torch.empty(size, dtype=torch.uint8)
+        digest = read_hashed(f, memoryview(buf.numpy()), path)
+    if sha256 is not None and digest != sha256:
+        raise ChecksumError(f"{path.name} does not match its checksum")
+    return parse_safetensors(buf, str(path))
+
+
+def parse_safetensors(buf: torch.Tensor, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors as views of `buf`, metadata) of the safetensors bytes in `buf` (uint8), checked (module docstring)."""
+    def bad(why: str) -> CasspecError:
+        why = why if len(why) <= 300 else why[:300] + "..."  # (a crafted name or shape may be megabytes long)
+        return CasspecError(f"{what} is not a valid safetensors file ({why}): it may be truncated or corrupt; "
+                            "re-download or rebuild it")
+
+    size = buf.numel()
+    n = int.from_bytes(buf[:8].numpy().tobytes(), "little") if size >= 8 else -1
+    if not 0 <= n <= min(size - 8, SAFETENSORS_MAX_HEADER):
+        raise bad(f"its header length {n} does not fit its {size} bytes (at most {SAFETENSORS_MAX_HEADER})")
+    header = parse_json(buf[8:8 + n].numpy().tobytes(), f"{what}'s header", SAFETENSORS_MAX_HEADER)
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("its __metadata__ is not an object of strings")
+    data = buf[8 + n:]
+    entries = sorted((_tensor_entry(name, info, bad) for name, info in header.items()), key=lambda e: e[3])
+    tensors, end = {}, 0
+    for name, dtype, shape, begin, stop in entries:
+        if begin != end:
+            raise bad(f"tensor {name} starts at byte {begin} of the data where the one before ends at {end} "
+                      "(shared or skipped bytes)")
+        if stop > data.numel():
+            raise bad(f"tensor {name} ends at byte {stop} of the data and the file holds {data.numel()}")
+        tensors[name], end = _view(data, begin, stop, dtype, shape), stop
+    if end != data.numel():
+        raise bad(f"its tensors end at byte {end} of the data and the file holds {data.numel()}")
+    return tensors, meta
+
+
+def _tensor_entry(name: str, info: object, bad) -> tuple[str, torch.dtype, list[int], int, int]:
+    """(name, dtype, shape, begin, end) of one header entry, its byte range the size its shape and dtype give."""
+    if not isinstance(info, dict):
+        raise bad(f"tensor {name}'s entry is not an object")
+    kind, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    dtype = ST_DTYPES.get(kind) if isinstance(kind, str) else None
+    if dtype is None:
+        raise bad(f"tensor {name} has the dtype {str(kind)[:20]!r}; casspec reads {', '.join(ST_DTYPES)}")
+    ints = lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
+    if not ints(shape) or not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise bad(f"tensor {name}'s shape {str(shape)[:40]} or data_offsets {str(offsets)[:40]} are not valid")
+    nbytes = 0 if 0 in shape else dtype.itemsize
+    for d in shape if nbytes else ():  # (stops past the offsets' range: a long shape of huge dims costs nothing)
+        nbytes *= d
+        if nbytes > offsets[1] - offsets[0]:
+            break
+    if nbytes != offsets[1] - offsets[0]:
+        raise bad(f"tensor {name} of shape {str(shape)[:60]} and dtype {kind} holds {nbytes} bytes, and its "
+                  f"offsets give {offsets[1] - offsets[0]}")
+    return name, dtype, shape, offsets[0], offsets[1]
+
+
+def _view(data: torch.Tensor, begin: int, end: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor in bytes [begin, end) of `data`: a view where its address suits the dtype, else a copy."""
+    raw = data[begin:end]
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(shape)

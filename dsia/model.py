@@ -60,6 +60,18 @@ def _config_int(cfg, name: str, default: int | None = None) -> int:
     return _checked_int(name, value)
 
 
+def check_config_fields(config: dict, where: str) -> None:
+    """A raw config.json's architecture and the SPEC_LIMITS fields it holds, each checked (a CasspecError naming the
+    first bad one) before a library builds a config of them (transformers' own checks would fail on some with a bare
+    ZeroDivisionError)."""
+    if config.get("model_type") not in SUPPORTED_ARCHS:
+        raise CasspecError(f"unsupported architecture {repr(config.get('model_type'))[:40]} in {where}: casspec "
+                           f"supports {', '.join(SUPPORTED_ARCHS)} (Llama family)")
+    for name in SPEC_LIMITS:
+        if config.get(name) is not None:
+            _checked_int(name, config[name])
+
+
 def _checked_int(name: str, value: object) -> int:
     lo, hi = SPEC_LIMITS[name]
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:

@@ -130,3 +130,43 @@ def test_token_ids_outside_the_vocabulary_are_one_error_and_the_engine_goes_on()
         with pytest.raises(CasspecError, match=r"token id .*\[0, 97\)"):
             engine.generate_ids(ids, Request(max_new_tokens=2))
     assert len(engine.generate_ids([5, 17, 9], Request(max_new_tokens=3)).token_ids) == 3
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny Llama checkpoint folder (config.json, safetensors, tokenizer files)."""
+    from tiny import tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["runtime-reader", "transformers"])
+@pytest.mark.parametrize("changes, needle", [
+    ({"num_attention_heads": 0}, "num_attention_heads is 0"),
+    ({"num_key_value_heads": 3}, "not a multiple"),
+    ({"partial_rotary_factor": 0.25}, "partial_rotary_factor 0.25"),
+    ({"max_position_embeddings": 10**8}, "max_position_embeddings is 100000000"),
+    ({"vocab_size": 2**40}, "vocab_size is 1099511627776"),
+    ({"head_dim": 1024}, "head_dim is 1024"),
+])
+def test_a_crafted_config_json_is_refused_before_any_weight_is_read(tmp_path, hf_dir, hf, changes, needle):
+    """Both readers (casspec's runtime reader and transformers, behind `hf`) refuse before building anything."""
+    import json
+    import shutil
+
+    from casspec.loading import load
+
+    d = tmp_path / "m"
+    shutil.copytree(hf_dir, d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | changes))
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    with pytest.raises(CasspecError, match=needle) as e:
+        load(str(d), "float32", "cpu", hf=hf)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert "\n" not in str(e.value) and time.perf_counter() - t0 < 10 and peak < 64 << 20

@@ -1,7 +1,7 @@
 """The dequantized-GGUF cache (casspec/loading.py) on a tiny GGUF: an unwritable cache or a full disk runs
 uncached with one warning line, stale build folders are removed, two processes build an entry once, same-size
-garbage is caught by the manifest's checksums (hashed only when a file's time changed), and an unreadable GGUF
-is one clear error."""
+garbage is caught by the manifest's checksums (checked on every load, whatever the file's time says), and an
+unreadable GGUF is one clear error. (Planted files and swaps: test_adversarial_cache.py.)"""
 import errno
 import os
 import shutil
@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from casspec import loading
-from casspec.usercache import locked
+from casspec.ggufcheck import GGUFFile
+from casspec.usercache import STALE_BUILD_S, locked
 from dsia.errors import CasspecError
 from tiny import tiny_gguf
 
@@ -110,16 +111,17 @@ def test_stale_build_folders_are_removed(gguf, cache):
     cache.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", ""])
     proc.wait()  # a process that is gone
-    dead = entry.with_name(f"{entry.name}.tmp{proc.pid}")
+    dead = entry.with_name(f"{entry.name}.tmp{proc.pid}-abc123")
     dead_old = entry.with_name(f"{entry.name}.tmp{proc.pid}-old")
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    old = entry.with_name(f"{entry.name}.tmp{alive.pid}")  # alive, but older than STALE_BUILD_S (a reused pid)
-    live = entry.with_name(f"{entry.name}.tmp{os.getppid()}")  # a live process's build under way
-    others = [entry.with_name(f"{entry.name}.tmpx"), cache / f"gguf-{'0' * 24}-v{loading.CACHE_VERSION}.tmp{proc.pid}"]
+    old = entry.with_name(f"{entry.name}.tmp{alive.pid}-x_9")  # alive, but older than STALE_BUILD_S (a reused pid)
+    live = entry.with_name(f"{entry.name}.tmp{os.getppid()}-q1")  # a live process's build under way
+    others = [entry.with_name(f"{entry.name}.tmpx"), entry.with_name(f"{entry.name}.tmp{proc.pid}"),
+              cache / f"gguf-{'0' * 24}-v{loading.CACHE_VERSION}.tmp{proc.pid}-abc"]
     for d in (dead, dead_old, old, live, *others):
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"partial")
-    then = time.time() - loading.STALE_BUILD_S - 60
+    then = time.time() - STALE_BUILD_S - 60
     os.utime(old, (then, then))
     try:
         loading.load(str(gguf), hf=False)
@@ -140,8 +142,8 @@ def test_a_process_that_waited_for_the_lock_finds_the_entry_built(gguf, cache, t
     monkeypatch.setenv("CASSPEC_CACHE", str(cache))
     entry = entry_of(gguf)
     hashed, results = threading.Event(), []
-    real_sha = loading.file_sha256
-    monkeypatch.setattr(loading, "file_sha256", lambda p: (real_sha(p), hashed.set())[0])
+    real_sha = GGUFFile.sha256
+    monkeypatch.setattr(GGUFFile, "sha256", lambda self: (real_sha(self), hashed.set())[0])
     with locked(entry):  # "the first process", building
         waiter = threading.Thread(target=lambda: results.append(loading.load(str(gguf), hf=False)))
         waiter.start()
@@ -170,23 +172,44 @@ def test_same_size_garbage_in_the_cache_is_caught_and_rebuilt(gguf, cache, capsy
     assert torch.equal(got.runtime.embed, reference["model.embed_tokens.weight"])
 
 
-def test_cached_files_are_hashed_only_when_their_time_changed(gguf, cache, monkeypatch, capsys):
-    loading.load(str(gguf), hf=False)
-    weights = entry_of(gguf) / "model.safetensors"
-    hashed = []
-    real_sha = loading.file_sha256
-    monkeypatch.setattr(loading, "file_sha256", lambda p: (hashed.append(p.name), real_sha(p))[1])
-    loading.load(str(gguf), hf=False)
-    assert hashed == ["tiny.gguf"]  # the cheap path: sizes and times match the manifest
-    st = weights.stat()
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched (or copied), not changed
-    hashed.clear()
-    loading.load(str(gguf), hf=False)
-    assert hashed == ["tiny.gguf", "model.safetensors"]
-    hashed.clear()
-    loading.load(str(gguf), hf=False)
-    assert hashed == ["tiny.gguf"]  # the manifest took the new time
-    assert "warning" not in capsys.readouterr().err
+def edit_in_place(path, old: bytes, new: bytes, at: int | None = None) -> None:
+    """Replace `old` (at byte `at`, else its first occurrence) by `new` of the same length, then put the file's
+    modification time back: the size and time are what they were."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    i = data.index(old) if at is None else at
+    assert data[i:i + len(old)] == old and len(new) == len(old)
+    data[i:i + len(old)] = new
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+@pytest.mark.parametrize("hf", [False, True])
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_change_with_size_and_time_restored_is_caught(gguf, cache, hf, name, capsys):
+    """Every load checks every listed file against its sha256: an edit that keeps the size and puts the time back
+    (what a size + mtime shortcut misses) is caught, in the weights (hashed from the bytes loaded, or before
+    transformers reads them) and in a small file read by transformers (config.json)."""
+    reference = {k: v.clone() for k, v in loading.load(str(gguf), hf=True).model.state_dict().items()}  # (not
+    # views of the mapped file, which the edit below changes in place)
+    path = entry_of(gguf) / name
+    if name == "config.json":
+        edit_in_place(path, b'"llama"', b'"llamb"')
+    else:
+        edit_in_place(path, path.read_bytes()[-4:], b"\x00\x00\x80\x7f", at=path.stat().st_size - 4)  # -> +inf
+    capsys.readouterr()
+    got = loading.load(str(gguf), hf=hf)
+    err = capsys.readouterr().err
+    (line,) = warnings_in(err)
+    assert "corrupt; rebuilding" in line and f"{name} does not match its checksum" in line, line
+    assert "dequantizing" in err
+    if hf:
+        assert all(torch.equal(got.model.state_dict()[k], v) for k, v in reference.items())
+    else:
+        assert torch.equal(got.runtime.embed, reference["model.embed_tokens.weight"])
+    loading.load(str(gguf), hf=hf)
+    assert capsys.readouterr().err.count("casspec:") == 0  # rebuilt whole: the next load neither warns nor rebuilds
 
 
 def test_an_unreadable_gguf_is_one_clear_error(tmp_path):

@@ -2,7 +2,7 @@
 
 The choice (dsia/kernels.py) is timed on first use, a few seconds, and kept in the user cache
 (`cache_root()/kernels.json`) under a key of everything it depends on: CPU model and ISA flags, GPU, torch
-version, threads, dtype, device and the model's weight shapes. A machine, torch build or model it was not
+version, threads, dtype, device, the model's weight shapes and the kernels there are to choose from. A machine, torch build or model it was not
 measured for is measured anew; nothing measured elsewhere is used.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dsia.errors import CasspecError
-from dsia.kernels import BUCKETS, DenseKernels, choose, measure, time_ms
+from dsia.kernels import BUCKETS, DenseKernels, candidates, choose, measure, time_ms
 from dsia.model import Transformer
 from dytc.latency import machine_info
 
@@ -35,7 +35,8 @@ def tuning_key(model: Transformer) -> str:
     m = machine_info(model.device.type)
     return json.dumps({"cpu": m["cpu"], "flags": m["cpu_flags"], "gpu": m["gpu"], "torch": m["torch"],
                        "threads": m["threads"], "dtype": str(model.dtype), "device": model.device.type,
-                       "shapes": weight_shapes(model), "layers": len(model.layers)}, sort_keys=True)
+                       "shapes": weight_shapes(model), "layers": len(model.layers),
+                       "kernels": sorted(candidates(model.dtype, model.device))}, sort_keys=True)
 
 
 def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = False) -> tuple[DenseKernels, dict]:

@@ -23,13 +23,13 @@ import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .blockq import BlockLinear
+from .cxx import build_error, built  # noqa: F401 - (the library this module runs, re-exported)
 from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import kernel_for, mkl_packed
 from .model import EAGER, FUSED_GROUPS, KvAccess, Pointwise, Transformer
@@ -39,41 +39,12 @@ from .quant import FusedLinear, Int4Linear, Int8GroupLinear
 if TYPE_CHECKING:
     from .kvcache import KVCache
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "ops.cpp", "blockq.cpp")]
-EXTENSION = "casspec_layers"  # the built library's name (torch's extension cache rebuilds it when the source changes)
 SLOTS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's product slots (q holds q|k|v where fused, gate gate|up)
 # a slot's kind: empty (a part of a fused product), packed 4-bit, dense weight, GGUF blocks as stored (BlockLinear)
 NONE, PACKED, DENSE, BLOCKS = -1, 0, 1, 2
-DENSE_KERNELS = {"blas": 1, "mkl": 2}  # the dense kernels the C++ loop runs, by DenseKernels name
+DENSE_KERNELS = {"blas": 1, "mkl": 2, "casspec": 3}  # the dense kernels the C++ loop runs, by DenseKernels name
 # the dtype code ATen's ScalarType enum gives each activation dtype a packed kernel may take
 SCALAR_TYPE = {torch.float32: 6, torch.float16: 5, torch.bfloat16: 15}
-
-
-@functools.cache
-def build_error() -> str | None:
-    """Build (or load the cached build of) the C++ layer loop once per process: None when torch.classes.casspec
-    holds it, else why not (the Python loop then runs every forward)."""
-    try:
-        from torch.utils.cpp_extension import load
-        # -ffp-contract=off: no multiply-add is fused where the source has a product and a sum, so ops.cpp's RoPE
-        # is ATen's bits and every sum the same on every machine; -fopenmp: at::parallel_for runs on torch's threads
-        # (its OpenMP runtime, loaded first, serves the library; without the flag the loops run on one thread)
-        load(name=EXTENSION, sources=[str(s) for s in SOURCES],
-             extra_cflags=["-O2", "-ffp-contract=off", "-Wno-psabi", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, no ninja, a header mismatch: the Python loop is the same computation
-        first = str(e).strip().splitlines()
-        return f"{type(e).__name__}: {first[0] if first else ''}"
-    return None
-
-
-def built() -> bool:
-    """Whether a build of the C++ layer loop lies in torch's extension cache (False: the first use builds it)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-        return (Path(_get_build_directory(EXTENSION, False)) / f"{EXTENSION}.so").is_file()
-    except Exception:  # (a private helper of torch's: where it is gone, nothing is said before a build)
-        return True
 
 
 class Unsupported(Exception):

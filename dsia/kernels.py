@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cxx import build_error
 from .errors import CasspecError
 
 DenseFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # x [T, in], w [out, in], b [out] | None -> [T, out]
@@ -69,9 +70,21 @@ class PackedSgemm:
         return torch.ops.mkl._mkl_linear(x, self.pack(w), w, b, x.shape[0])  # [T, out]
 
 
-FLOAT32_CPU_ONLY = ("onednn", "mkl")  # kernels that compute float32 on a CPU only; other products go to BLAS
+def _casspec_available() -> bool:
+    return build_error() is None and hasattr(torch.ops.casspec, "dense_linear")
+
+
+def _casspec(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """casspec's own product (csrc/dense.cpp): each output summed in 16 lanes in input order with fused
+    multiply-adds, folded in a fixed order, so a row's bits do not depend on the rows beside it, the call's row
+    count or the CPU's instruction set."""
+    return torch.ops.casspec.dense_linear(x, w, b)
+
+
+FLOAT32_CPU_ONLY = ("onednn", "mkl", "casspec")  # kernels that compute float32 on a CPU only; others go to BLAS
 _PACKED = PackedSgemm()  # the one store of packed weights
-KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn, "mkl": _PACKED}  # every dense kernel by name
+KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn, "mkl": _PACKED,
+                               "casspec": _casspec}  # every dense kernel by name
 
 
 def mkl_packed(w: Tensor) -> Tensor:
@@ -87,9 +100,10 @@ def kernel_for(dense: DenseKernels, tokens: int, dtype: torch.dtype, device: tor
 
 def candidates(dtype: torch.dtype, device: torch.device | str) -> dict[str, DenseFn]:
     """The kernels that compute in `dtype` on this device: BLAS `F.linear` always; for float32 on a CPU, oneDNN's
-    inner product and MKL's packed sgemm where torch has them."""
+    inner product and MKL's packed sgemm where torch has them, and casspec's own where its library builds."""
     cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    ok = {"blas": True, "onednn": cpu32 and _onednn_available(), "mkl": cpu32 and _mkl_available()}
+    ok = {"blas": True, "onednn": cpu32 and _onednn_available(), "mkl": cpu32 and _mkl_available(),
+          "casspec": cpu32 and _casspec_available()}
     return {name: fn for name, fn in KERNELS.items() if ok[name]}
 
 

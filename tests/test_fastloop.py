@@ -56,7 +56,7 @@ def test_int4_levels_equal_the_python_loop(arch, dtype, name):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("kernels", ["blas", "mkl"])
+@pytest.mark.parametrize("kernels", ["blas", "mkl", "casspec"])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_targets_equal_the_python_loop(arch, kernels, fused, dtype):

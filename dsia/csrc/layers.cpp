@@ -24,6 +24,7 @@ constexpr int64_t kBlocks = 2;  // GGUF-style blocks as stored (dsia/blockq.py B
 // dense kernels (DENSE_KERNELS in fastloop.py)
 constexpr int64_t kBlas = 1;  // F.linear
 constexpr int64_t kMkl = 2;  // MKL's packed sgemm (dsia/kernels.py PackedSgemm)
+constexpr int64_t kOwn = 3;  // casspec's own float32 product (dense.cpp)
 constexpr int64_t kSlots = 7;  // per layer: q (or q|k|v), k, v, o, gate (or gate|up), up, down
 
 // RMSNorm over the last dim, as dsia/model.py's rms_norm: torch's own op in float32, HF's rounding otherwise.
@@ -200,6 +201,9 @@ struct Stack : torch::CustomClassHolder {
     if (dense_kernel == kMkl) {
       return mkl_linear(x, aux[j], weights[j], b);
     }
+    if (dense_kernel == kOwn && x.scalar_type() == at::kFloat) {
+      return casspec::dense_linear(x, weights[j], b, -1);
+    }
     return at::linear(x, weights[j], b);
   }
 
@@ -216,7 +220,8 @@ struct Stack : torch::CustomClassHolder {
                                          std::optional<at::Tensor> mask, bool is_causal,
                                          std::optional<at::Tensor> rows_bias, std::optional<at::Tensor> rows_tail,
                                          int64_t rows_shared, int64_t rows_end, bool ops, bool own_attention) const {
-    TORCH_CHECK(dense_kernel == kBlas || dense_kernel == kMkl, "casspec Stack: dense kernel 1 (blas) or 2 (mkl)");
+    TORCH_CHECK(dense_kernel == kBlas || dense_kernel == kMkl || dense_kernel == kOwn,
+                "casspec Stack: dense kernel 1 (blas), 2 (mkl) or 3 (casspec)");
     const int64_t n_layers = static_cast<int64_t>(norms.size()) / 2;
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_floating_point(),
                 "casspec Stack: x [T, D] floating point on the CPU expected");

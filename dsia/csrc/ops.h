@@ -34,6 +34,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // x [T, K] float32 times GGUF-style blocks as stored (blockq.cpp) for n outputs: [T, n]
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                         int64_t isa);
+// x [T, K] float32 times w [N, K] float32 (+ bias [N]) by casspec's own kernel (dense.cpp): [T, N], each row the
+// same bits whatever the rows beside it and the instruction set (isa -1: the best this CPU has)
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                        int64_t isa);
 // attention of q [H, T, hd] over keys, values [Hkv, S, hd] at slots [0, end): row t sees the slots where mask [T,
 // end] is true, or (no mask) slots [0, end - T + t]; scores scaled by `scale`. Returns [T, H*hd].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t end,

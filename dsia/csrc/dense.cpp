@@ -1,0 +1,207 @@
+// A dense float32 product on the CPU (torch.ops.casspec.dense_linear): y [T, N] = x [T, K] @ w [N, K]^T (+ bias),
+// casspec's own, so that its bits do not rest on what a vendor kernel happens to do on the CPU at hand.
+//
+// Each output's sum runs in 16 lanes: lane l takes inputs k = 16 c + l for c = 0, 1, ... in order, one fused
+// multiply-add each (inputs past K are zeros), then the lanes are folded in halves (l + l+8, + 4, + 2, + 1) and the
+// bias added. That sequence is the same whatever the call's row count, whichever rows sit beside a row and however
+// the outputs are split between threads, so a row's result is the same bits in a one-token step and in a tree's
+// verification (batch-invariant by construction). The AVX-512, AVX2 and plain loops run the same lane operations
+// (a fused multiply-add is exact before its one rounding, so std::fma gives the instructions' bits), so a row's
+// result is also the same on every machine. The loops share their tiling code (dense_rows.h, included once per
+// instruction set): a tile of O outputs by R rows loads each 16-input chunk of its weights once for its R rows, and
+// its next rows find them in L1.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "ops.h"
+
+namespace casspec {
+namespace {
+constexpr int64_t kLanes = 16;
+
+struct Job {
+  const float* x;  // [T, K]
+  const float* w;  // [N, K]
+  const float* bias;  // [N] or nullptr
+  float* y;  // [T, N]
+  int64_t T, K, N;
+};
+
+// the 16 lanes' sum, folded in halves (lane i + lane i + 8, then + 4, + 2, + 1): the same order in every path
+inline float fold16(const float* v) {
+  float a[8], b[4];
+  for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) b[i] = a[i] + a[i + 4];
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace dense512 {
+namespace {
+struct Vec {
+  __m512 v;
+  [[gnu::always_inline]] static Vec zero() { return {_mm512_setzero_ps()}; }
+  [[gnu::always_inline]] static Vec load(const float* p, int64_t n) {
+    return {n == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
+  }
+  [[gnu::always_inline]] static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  [[gnu::always_inline]] void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+// the folds of 16 vectors at once (out[s] = fold16 of v[s], the same additions in the same pairs)
+[[gnu::always_inline]] inline void fold_many(const Vec* v, float* out) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i]'s l + l+8; lanes 8-15: v[2i+1]'s
+    const __m512 lo = _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0x44);  // quarters 0 1 | 0 1
+    const __m512 hi = _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0xEE);  // quarters 2 3 | 2 3
+    a[i] = _mm512_add_ps(lo, hi);
+  }
+  for (int i = 0; i < 4; ++i) {  // quarter q: source 4i + q's l + l+4 (l < 4)
+    const __m512 lo = _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88);  // quarters 0 2 | 0 2
+    const __m512 hi = _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD);  // quarters 1 3 | 1 3
+    b[i] = _mm512_add_ps(lo, hi);
+  }
+  for (int i = 0; i < 2; ++i) {  // per quarter: [b0 + b2, b1 + b3] of b[2i]'s source, then of b[2i+1]'s
+    const __m512 lo = _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44);  // 0 1 | 0 1
+    const __m512 hi = _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE);  // 2 3 | 2 3
+    c[i] = _mm512_add_ps(lo, hi);
+  }
+  const __m512 lo = _mm512_shuffle_ps(c[0], c[1], 0x88);  // 0 2 | 0 2
+  const __m512 hi = _mm512_shuffle_ps(c[0], c[1], 0xDD);  // 1 3 | 1 3
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, _mm512_add_ps(lo, hi));
+  for (int s = 0; s < 16; ++s) {  // source s = 4p + q sits in lane 4q + p
+    out[s] = sums[4 * (s % 4) + s / 4];
+  }
+}
+constexpr bool kFoldMany = true;
+constexpr int kOut = 4, kRows = 4;
+#include "dense_rows.h"
+}  // namespace
+void run(const Job& j, int64_t a, int64_t b) { range(j, a, b); }
+}  // namespace dense512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace dense256 {
+namespace {
+struct Vec {
+  __m256 lo, hi;
+  [[gnu::always_inline]] static Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  [[gnu::always_inline]] static Vec load(const float* p, int64_t n) {
+    if (n == kLanes) {
+      return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+    }
+    alignas(32) float t[16] = {};
+    std::memcpy(t, p, sizeof(float) * n);
+    return {_mm256_load_ps(t), _mm256_load_ps(t + 8)};
+  }
+  [[gnu::always_inline]] static Vec fma(Vec a, Vec b, Vec c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+  }
+  [[gnu::always_inline]] void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+};
+constexpr bool kFoldMany = false;
+inline void fold_many(const Vec*, float*) {}
+constexpr int kOut = 2, kRows = 2;
+#include "dense_rows.h"
+}  // namespace
+void run(const Job& j, int64_t a, int64_t b) { range(j, a, b); }
+}  // namespace dense256
+#pragma GCC pop_options
+
+namespace dense_plain {
+namespace {
+struct Vec {
+  float v[kLanes];
+  static Vec zero() { return Vec{}; }
+  static Vec load(const float* p, int64_t n) {
+    Vec r{};
+    std::memcpy(r.v, p, sizeof(float) * n);
+    return r;
+  }
+  static Vec fma(const Vec& a, const Vec& b, const Vec& c) {
+    Vec r;
+    for (int64_t i = 0; i < kLanes; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+};
+constexpr bool kFoldMany = false;
+inline void fold_many(const Vec*, float*) {}
+constexpr int kOut = 1, kRows = 1;
+#include "dense_rows.h"
+}  // namespace
+void run(const Job& j, int64_t a, int64_t b) { range(j, a, b); }
+}  // namespace dense_plain
+
+namespace {
+enum Isa : int64_t { kAuto = -1, kPlain = 0, kAvx2 = 1, kAvx512 = 2 };
+
+Isa best_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) {
+      return kAvx512;
+    }
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kAvx2 : kPlain;
+  }();
+  return isa;
+}
+
+constexpr int64_t kTaskOutputs = 16;  // outputs a thread's task takes at least
+}  // namespace
+
+// x [T, K] float32, w [N, K] float32 contiguous, bias [N] or none; isa: -1 the best this CPU has, else 0 plain,
+// 1 AVX2, 2 AVX-512 (tests). -> [T, N]
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                        int64_t isa) {
+  check_tensor(x, "dense_linear x [T, K]", at::kFloat, 2);
+  check_tensor(w, "dense_linear w [N, K]", at::kFloat, 2);
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && w.is_contiguous(), "casspec dense_linear: w [N, ", K, "] contiguous expected, got ",
+              w.sizes());
+  if (bias) {
+    check_tensor(*bias, "dense_linear bias [N]", at::kFloat, 1);
+    TORCH_CHECK(bias->size(0) == N && bias->is_contiguous(), "casspec dense_linear: bias of ", N,
+                " floats expected, got ", bias->sizes());
+  }
+  TORCH_CHECK(isa >= kAuto && isa <= best_isa(), "casspec dense_linear: isa ", isa,
+              " is not one this CPU has (-1 the best, 0 plain, 1 AVX2, 2 AVX-512)");
+  const Isa use = isa == kAuto ? best_isa() : static_cast<Isa>(isa);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({T, N}, x.options());
+  const Job j{xc.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+              y.data_ptr<float>(), T, K, N};
+  const int64_t tasks = (N + kTaskOutputs - 1) / kTaskOutputs;
+  const int64_t work = std::max<int64_t>(1, T * K * kTaskOutputs);  // multiply-adds of a task
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / work);
+  at::parallel_for(0, tasks, grain, [&](int64_t a, int64_t b) {
+    const int64_t lo = a * kTaskOutputs, hi = std::min(N, b * kTaskOutputs);
+    if (use == kAvx512) {
+      dense512::run(j, lo, hi);
+    } else if (use == kAvx2) {
+      dense256::run(j, lo, hi);
+    } else {
+      dense_plain::run(j, lo, hi);
+    }
+  });
+  return y;
+}
+
+}  // namespace casspec
+
+TORCH_LIBRARY_FRAGMENT(casspec, m) {
+  m.def("dense_linear(Tensor x, Tensor w, Tensor? bias=None, int isa=-1) -> Tensor", &casspec::dense_linear);
+}

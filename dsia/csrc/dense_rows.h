@@ -1,0 +1,107 @@
+// (included once per instruction set by dense.cpp, inside its namespace, with `Vec` defined: 16 float lanes)
+// Outputs [o0, o0 + O) of rows [t0, t0 + R): lane l of output o's sum takes inputs k = 16 c + l, c = 0, 1, ... in
+// order, one fused multiply-add each (inputs past K are zeros); the lanes folded in halves; the bias added last.
+
+// one 16-input chunk (n <= 16 inputs, zeros after them) of O weight rows (stride K) into the O x R accumulators
+template <int O, int R>
+[[gnu::always_inline]] inline void step(Vec (&acc)[O][R], const float* w, const float* x, int64_t K, int64_t n,
+                                        const float* ahead) {
+  Vec wv[O];
+#pragma GCC unroll 16
+  for (int o = 0; o < O; ++o) {
+    wv[o] = Vec::load(w + o * K, n);
+  }
+  if (ahead != nullptr) {
+#pragma GCC unroll 16
+    for (int o = 0; o < O; ++o) {
+      __builtin_prefetch(ahead + o * K, 0, 3);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const Vec xv = Vec::load(x + r * K, n);
+#pragma GCC unroll 16
+    for (int o = 0; o < O; ++o) {
+      acc[o][r] = Vec::fma(wv[o], xv, acc[o][r]);
+    }
+  }
+}
+
+template <int O, int R>
+[[gnu::always_inline]] inline void tile(const Job& j, int64_t o0, int64_t t0, const float* ahead) {
+  Vec acc[O][R];
+#pragma GCC unroll 16
+  for (int o = 0; o < O; ++o) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      acc[o][r] = Vec::zero();
+    }
+  }
+  const int64_t K = j.K, full = K / kLanes * kLanes;
+  const float* w = j.w + o0 * K;
+  const float* x = j.x + t0 * K;
+  for (int64_t k = 0; k < full; k += kLanes) {
+    step<O, R>(acc, w + k, x + k, K, kLanes, ahead != nullptr ? ahead + k : nullptr);
+  }
+  if (full < K) {  // the last inputs, zeros after them
+    step<O, R>(acc, w + full, x + full, K, K - full, nullptr);
+  }
+  Vec flat[O * R];  // (a copy: the accumulators' own address never escapes the loop, so they stay in registers)
+#pragma GCC unroll 16
+  for (int o = 0; o < O; ++o) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      flat[o * R + r] = acc[o][r];
+    }
+  }
+  float sums[O][R];
+  if constexpr (O * R == 16 && kFoldMany) {
+    fold_many(flat, &sums[0][0]);
+  } else {
+    for (int o = 0; o < O; ++o) {
+      for (int r = 0; r < R; ++r) {
+        float lanes[kLanes];
+        flat[o * R + r].store(lanes);
+        sums[o][r] = fold16(lanes);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < O; ++o) {
+      j.y[(t0 + r) * j.N + o0 + o] = j.bias != nullptr ? sums[o][r] + j.bias[o0 + o] : sums[o][r];
+    }
+  }
+}
+
+// outputs [o0, o0 + O) of the last `left` rows (fewer than kRows), from t
+template <int O, int R>
+[[gnu::always_inline]] inline void last_rows(const Job& j, int64_t o0, int64_t t, int64_t left,
+                                             const float* ahead) {
+  if constexpr (R > 0) {
+    if (left == R) {
+      tile<O, R>(j, o0, t, ahead);
+    } else {
+      last_rows<O, R - 1>(j, o0, t, left, ahead);
+    }
+  }
+}
+
+// outputs [o0, o0 + O) of every row: kRows rows a tile (the outputs' weights then come from L1 for the next rows)
+template <int O>
+void outputs(const Job& j, int64_t o0, const float* ahead) {
+  int64_t t = 0;
+  for (; t + kRows <= j.T; t += kRows) {
+    tile<O, kRows>(j, o0, t, t == 0 ? ahead : nullptr);  // (the first rows' pass fetches the next outputs' weights)
+  }
+  last_rows<O, kRows - 1>(j, o0, t, j.T - t, t == 0 ? ahead : nullptr);
+}
+
+void range(const Job& j, int64_t a, int64_t b) {
+  int64_t o = a;
+  for (; o + kOut <= b; o += kOut) {
+    outputs<kOut>(j, o, o + 2 * kOut <= b ? j.w + (o + kOut) * j.K : nullptr);
+  }
+  for (; o < b; ++o) {
+    outputs<1>(j, o, nullptr);
+  }
+}

@@ -1,0 +1,39 @@
+"""casspec's C++ library (csrc/): the layer loop, the ops of a float32 forward's small steps, the GGUF block product
+and the dense float32 product, built once per machine with the system's C++ compiler and cached by
+torch.utils.cpp_extension (torch's extension cache rebuilds it when a source changes). Where it does not build (no
+compiler, no ninja), `build_error` says why, once, and every caller runs torch's own kernels instead."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "ops.cpp", "blockq.cpp", "dense.cpp")]
+EXTENSION = "casspec_layers"  # the built library's name
+
+
+@functools.cache
+def build_error() -> str | None:
+    """Build (or load the cached build of) the library once per process: None when torch.ops.casspec and
+    torch.classes.casspec hold it, else why not."""
+    try:
+        from torch.utils.cpp_extension import load
+        # -ffp-contract=off: no multiply-add is fused where the source has a product and a sum, so ops.cpp's RoPE
+        # is ATen's bits and every sum the same on every machine (the dense product's fused multiply-adds are
+        # written out: std::fma in its plain path); -fopenmp: at::parallel_for runs on torch's threads (its OpenMP
+        # runtime, loaded first, serves the library; without the flag the loops run on one thread)
+        load(name=EXTENSION, sources=[str(s) for s in SOURCES],
+             extra_cflags=["-O2", "-ffp-contract=off", "-Wno-psabi", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a header mismatch: torch's kernels are the same computation
+        first = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {first[0] if first else ''}"
+    return None
+
+
+def built() -> bool:
+    """Whether a build of the library lies in torch's extension cache (False: the first use builds it)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        return (Path(_get_build_directory(EXTENSION, False)) / f"{EXTENSION}.so").is_file()
+    except Exception:  # (a private helper of torch's: where it is gone, nothing is said before a build)
+        return True

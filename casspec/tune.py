@@ -2,8 +2,8 @@
 
 The choice (dsia/kernels.py) is timed on first use, a few seconds, and kept in the user cache
 (`cache_root()/kernels.json`) under a key of everything it depends on: CPU model and ISA flags, GPU, torch
-version, threads, dtype, device, the model's weight shapes and the kernels there are to choose from. A machine, torch build or model it was not
-measured for is measured anew; nothing measured elsewhere is used.
+version, threads, dtype, device, the model's weight shapes and the kernels there are to choose from. A machine,
+torch build or model it was not measured for is measured anew; nothing measured elsewhere is used.
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ import torch
 from dsia.errors import CasspecError
 from dsia.fastloop import Stacks, build_error, built, cxx_pointwise
 from dsia.graphs import BUCKETS, Graphs
+from dsia.kernels import DenseKernels, candidates
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
 from dsia.model import DEFAULT_CONTEXT, Transformer, compiled_pointwise
@@ -96,20 +97,7 @@ class Engine:
         fuse = cuda if fuse_projections is None else fuse_projections
         if fuse:
             model = model.with_fused_projections()
-        dense, self.kernels = kernels_for(model, kernels)
-        model = model.with_dense(dense)
-        # a native target's forwards are batch-invariant always: its kernels take bfloat16 activations, which would
-        # round a verification's last-bit differences from a one-token step (the attention's) into larger ones
-        batch_invariant = batch_invariant or native
-        if batch_invariant:
-            if graphs or compile_pointwise:
-                raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "
-                                   "elementwise steps off with them")
-            model = model.with_batch_invariant()
-            self.kernels += "; batch-invariant"
         compiled = cuda if compile_pointwise is None else compile_pointwise
-        if compiled:
-            model = model.with_pointwise(compiled_pointwise())
         stacked = not cuda if fast_layers is None else fast_layers
         if stacked:
             if not built():
@@ -120,6 +108,25 @@ class Engine:
                 raise CasspecError(f"the C++ layer loop did not build ({error}): install a C++ compiler and ninja, "
                                    "or run without fast layers")
             stacked = error is None
+        # a native target's forwards are batch-invariant always: its kernels take bfloat16 activations, which would
+        # round a verification's last-bit differences from a one-token step (the attention's) into larger ones
+        batch_invariant = batch_invariant or native
+        # casspec's own products and attention give each row the same bits whatever the rows beside it (by
+        # construction, on every CPU): a batch-invariant float32 target runs them where the library is built
+        own = stacked and not compiled and model.dtype == torch.float32 and not cuda
+        if batch_invariant and own and kernels == "auto" and "casspec" in candidates(model.dtype, model.device):
+            dense, self.kernels = DenseKernels.forced("casspec"), "casspec (batch-invariant by construction)"
+        else:
+            dense, self.kernels = kernels_for(model, kernels)
+        model = model.with_dense(dense)
+        if batch_invariant:
+            if graphs or compile_pointwise:
+                raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "
+                                   "elementwise steps off with them")
+            model = model.with_batch_invariant(own_attention=own)
+            self.kernels += "; batch-invariant"
+        if compiled:
+            model = model.with_pointwise(compiled_pointwise())
         if stacked:
             model = model.with_stacks(Stacks())
             if not compiled:  # the small steps of a float32 forward by the same library's ops, in both loops

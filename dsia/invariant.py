@@ -86,7 +86,8 @@ PROBE_ROWS = (1, 2, 3, 5, 8, 16)  # row counts the self-check compares
 
 @torch.inference_mode()
 def rows_independent(dense: DenseFn, shapes: set[tuple[int, int]], hd: int, dtype: torch.dtype,
-                     device: torch.device, kernels: tuple[tuple[Callable[[Tensor], Tensor], int], ...] = ()) -> bool:
+                     device: torch.device, kernels: tuple[tuple[Callable[[Tensor], Tensor], int], ...] = (),
+                     attention: bool = True) -> bool:
     """The mode's premise on this machine: `invariant_linear` over each (in, out) product shape, the attention's
     block products (head size hd) and the given kernels ((x [T, in] -> [T, out], in): a native target's), give every
     row what it gets alone, whatever the row count. An observation of the kernels (oneDNN's), not their promise, so
@@ -97,7 +98,8 @@ def rows_independent(dense: DenseFn, shapes: set[tuple[int, int]], hd: int, dtyp
         return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
     cases = [(functools.partial(invariant_linear, dense), rand(n_out, n_in)) for n_in, n_out in sorted(shapes)]
-    cases += [(invariant_matmul, rand(BLOCK, hd).t()), (invariant_matmul, rand(BLOCK, hd))]  # q @ k.T, p @ v
+    if attention:  # (the block attention's products: q @ k.T, p @ v)
+        cases += [(invariant_matmul, rand(BLOCK, hd).t()), (invariant_matmul, rand(BLOCK, hd))]
     cases += [(lambda x, w, k=k: k(x), rand(1, n_in)) for k, n_in in kernels]  # (w: only its in-features count)
     R = max(PROBE_ROWS)
     for fn, w in cases:

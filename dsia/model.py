@@ -402,14 +402,17 @@ class Transformer:
         return {(w.shape[1], w.shape[0]) for w in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down,
                                                    lw.wqkv, lw.w_gate_up, self.lm_head) if w is not None}
 
-    def with_batch_invariant(self) -> "Transformer":
+    def with_batch_invariant(self, own_attention: bool = False) -> "Transformer":
         """The same model, each row of a target forward computed alike whatever the rows around it (dsia/invariant.py):
-        a tree verification's logits are then bit for bit those of `ar`'s one-token steps. bfloat16 on a CPU."""
+        a tree verification's logits are then bit for bit those of `ar`'s one-token steps. bfloat16 on a CPU, and a
+        native target in float32. own_attention: its attention is casspec's op (`cxx_pointwise`, each row over its
+        own keys: invariant by construction), so the block attention's products are not checked."""
         check_supported(self.dtype, self.device, native=self.native is not None)
         kernels = () if self.native is None else tuple(
             {id(k): (k, w.shape[1]) for k, w in self._native_products()}.values())
         shapes = self.product_shapes() if self.native is None else self._dense_shapes()
-        if not rows_independent(self.dense, shapes, self.spec.head_dim, self.dtype, self.device, kernels):
+        if not rows_independent(self.dense, shapes, self.spec.head_dim, self.dtype, self.device, kernels,
+                                attention=not own_attention):
             if self.native is not None:
                 raise CasspecError("a native target's forwards rest on this machine's kernels giving each row the "
                                    "same result whatever the row count, and here they do not: use --weights float")

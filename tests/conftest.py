@@ -74,3 +74,14 @@ def fresh_warnings(monkeypatch):
     import dsia.errors
 
     monkeypatch.setattr(dsia.errors, "_warned", set())
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory):
+    """A tiny Llama checkpoint folder (config.json, safetensors, tokenizer files); tests that change it copy it."""
+    from tiny import tiny_model, tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d

@@ -132,17 +132,6 @@ def test_token_ids_outside_the_vocabulary_are_one_error_and_the_engine_goes_on()
     assert len(engine.generate_ids([5, 17, 9], Request(max_new_tokens=3)).token_ids) == 3
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny Llama checkpoint folder (config.json, safetensors, tokenizer files)."""
-    from tiny import tiny_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
-
-
 @pytest.mark.parametrize("hf", [False, True], ids=["runtime-reader", "transformers"])
 @pytest.mark.parametrize("changes, needle", [
     ({"num_attention_heads": 0}, "num_attention_heads is 0"),

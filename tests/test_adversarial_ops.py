@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsia.fastloop import build_error
+from test_ops import sdpa_rows
 
 pytestmark = pytest.mark.skipif(build_error() is not None, reason=f"the C++ ops did not build: {build_error()}")
 
@@ -131,15 +131,6 @@ def test_attention_checks_its_mask():
     blind = ok.clone()
     blind[1] = False  # a row that sees no key: its softmax would read past its scores
     refused(ops.attention, *with_arg(args, 4, blind), match="row 1 of the mask sees no key")
-
-
-def sdpa_rows(q, keys, values, end, mask):
-    H, T, hd = q.shape
-    if mask is None:
-        mask = torch.ones(T, end, dtype=torch.bool).tril(end - T)
-    o = F.scaled_dot_product_attention(q[None], keys[None, :, :end], values[None, :, :end], attn_mask=mask,
-                                       enable_gqa=H != keys.shape[0])[0]
-    return o.transpose(0, 1).reshape(T, H * hd)
 
 
 @settings(max_examples=150, deadline=None)

@@ -9,16 +9,6 @@ import torch
 
 from casspec import loading
 from casspec.cli import main
-from tiny import tiny_model, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny Llama checkpoint folder (config.json, safetensors, tokenizer files)."""
-    d = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -446,22 +446,13 @@ def test_random_safetensors_mutations_load_as_safetensors_loads_them_or_are_refu
     """Overwrite or insert a few characters of the header (digits, brackets, quotes), maybe truncate: casspec's
     reader never crashes or hangs: it refuses in one line, or (rarely, the bytes still consistent) reads the tensors
     safetensors' own loader reads."""
-    from safetensors.torch import load_file
 
     raw = bytearray(small_safetensors)
     for at, char, insert in edits:
         raw[at:at if insert else at + 1] = bytes([char])
     path = tmp_path / "m.safetensors"
     path.write_bytes(bytes(raw[:cut] if cut is not None else raw))
-    try:
-        got, _ = read_safetensors(path)
-    except CasspecError as e:
-        assert "\n" not in str(e)
-        event("refused")
-        return
-    event("accepted")
-    ref = load_file(path)
-    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    read_as_safetensors_reads(path)
 
 
 FIELDS = ("dtype", "shape", "dim0", "begin", "end", "drop", "copy")
@@ -476,7 +467,6 @@ def test_random_safetensors_header_edits_load_as_safetensors_loads_them_or_are_r
                                                                                       changes):
     """Edit the header's entries (dtypes, shapes, offsets, dropped or copied entries) and write it back with its
     length: casspec's reader refuses in one line, or reads what safetensors' own loader reads."""
-    from safetensors.torch import load_file
 
     n = struct.unpack("<Q", small_safetensors[:8])[0]
     header, data = json.loads(small_safetensors[8:8 + n]), small_safetensors[8 + n:]
@@ -494,6 +484,14 @@ def test_random_safetensors_header_edits_load_as_safetensors_loads_them_or_are_r
             entry[field] = value
     path = tmp_path / "h.safetensors"
     path.write_bytes(safetensors_bytes(header, data))
+    read_as_safetensors_reads(path)
+
+
+def read_as_safetensors_reads(path) -> None:
+    """casspec's reader refuses `path` in one line, or reads the tensors (values and dtypes) safetensors' own
+    loader reads."""
+    from safetensors.torch import load_file
+
     try:
         got, _ = read_safetensors(path)
     except CasspecError as e:

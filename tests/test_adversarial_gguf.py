@@ -4,6 +4,7 @@ file with a 2^62-element array that hangs gguf's GGUFReader, nested arrays, unkn
 gapped, misaligned and out-of-file offsets, truncation at every byte, random mutations (hypothesis: a file the check
 accepts is one GGUFReader reads the same way); config.json (huge, deeply nested); safetensors headers (huge header
 length, out-of-file offsets, aliasing, dtype / shape / size mismatches)."""
+import copy
 import json
 import os
 import re
@@ -471,6 +472,7 @@ def test_random_safetensors_header_edits_load_as_safetensors_loads_them_or_are_r
     n = struct.unpack("<Q", small_safetensors[:8])[0]
     header, data = json.loads(small_safetensors[8:8 + n]), small_safetensors[8 + n:]
     for name, field, value in changes:
+        value = copy.deepcopy(value)  # (sampled_from hands out the same list objects: an edit must not alias one)
         entry = header.setdefault(name, {})
         if field == "drop":
             header.pop(name)

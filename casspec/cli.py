@@ -12,7 +12,7 @@ from typing import Sequence
 from dsia.errors import CasspecError
 from dsia.kernels import KERNELS
 from dsia.levels import LevelConfig
-from dsia.model import DEFAULT_CONTEXT
+from dsia.spec import DEFAULT_CONTEXT
 from dytc.sources import DEFAULT_BOTTOM
 
 from .native import WEIGHTS

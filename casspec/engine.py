@@ -29,7 +29,8 @@ from dsia.graphs import BUCKETS, Graphs
 from dsia.kernels import DenseKernels, candidates
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
-from dsia.model import DEFAULT_CONTEXT, Transformer, compiled_pointwise
+from dsia.model import Transformer, compiled_pointwise
+from dsia.spec import DEFAULT_CONTEXT
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams, warp

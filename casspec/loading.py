@@ -27,7 +27,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 from dsia.errors import CasspecError, warn  # noqa: E402
-from dsia.model import ModelSpec, Transformer, check_config_fields  # noqa: E402
+from dsia.model import Transformer  # noqa: E402
+from dsia.spec import ModelSpec, check_config_fields  # noqa: E402
 
 from .ggufcheck import GGUFFile, GGUFHeader  # noqa: E402
 from .usercache import (UNWRITABLE, ChecksumError, digest, entry_problem, file_record, locked,  # noqa: E402
@@ -165,7 +166,7 @@ def _hf_model(path: Path, dtype: torch.dtype, device: torch.device):
 
 def _checked_config(path: str | Path, **kw):
     """transformers' config of a checkpoint (kw: how from_pretrained finds it), checked by casspec's model spec
-    (dsia/model.py SPEC_LIMITS) before transformers builds a model of its sizes."""
+    (dsia/spec.py SPEC_LIMITS) before transformers builds a model of its sizes."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, **kw)

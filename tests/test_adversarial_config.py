@@ -1,4 +1,4 @@
-"""A model config is untrusted input (dsia/model.py ModelSpec.from_hf_config): zero, odd or huge sizes, heads that do
+"""A model config is untrusted input (dsia/spec.py ModelSpec.from_hf_config): zero, odd or huge sizes, heads that do
 not divide, partial rotary embeddings, a claimed context of 10^8 positions, non-integers: each is one clear
 CasspecError line naming the field, before anything is allocated from it. RoPE tables and the KV cache are sized
 by the context a run uses, not by the file's claim; token ids are checked against the vocabulary."""
@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsia.errors import CasspecError
-from dsia.model import DEFAULT_CONTEXT, SPEC_LIMITS, ModelSpec, Transformer
+from dsia.model import Transformer
+from dsia.spec import DEFAULT_CONTEXT, SPEC_LIMITS, ModelSpec
 from tiny import tiny_config, tiny_engine, tiny_model
 
 GOOD = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -187,7 +187,7 @@ def test_static_rope_scalings_equal_hf_past_the_original_context(rope):
 def test_rope_scalings_that_change_with_length_are_refused(rope_type):
     from transformers import LlamaConfig
 
-    from dsia.model import ModelSpec
+    from dsia.spec import ModelSpec
 
     extra = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 
+from .usercache import json_depth
+
 if TYPE_CHECKING:  # (annotations only: the CLI reads Limits without the engine or the serve extra)
     from starlette.responses import Response
 
@@ -157,17 +159,9 @@ def read_json(raw: bytes) -> Any:
         raise too_deep from None
     except ValueError:  # (bytes that are not UTF-8, and integers of more digits than Python reads, included)
         raise ApiError(400, "the request body is not valid JSON", "invalid_json") from None
-    if _nests_deeper(body, MAX_JSON_DEPTH):
+    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise too_deep
     return body
-
-
-def _nests_deeper(value: Any, depth: int) -> bool:
-    """Whether lists and objects nest deeper than `depth` in value (level by level: no recursion)."""
-    level = [value]
-    for _ in range(depth):
-        level = [c for v in level if isinstance(v, (list, dict)) for c in (v.values() if isinstance(v, dict) else v)]
-    return any(isinstance(v, (list, dict)) for v in level)
 
 
 def parse_call(body: Any, chat: bool, engine: Engine, template: Request, model_name: str,

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from dsia.errors import CasspecError
-from dsia.fastloop import Stacks, build_error, built, cxx_pointwise
+from dsia.cxx import build_error, built
+from dsia.fastloop import Stacks, cxx_pointwise
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kernels import DenseKernels, candidates
 from dsia.kvcache import KVCache

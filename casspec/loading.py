@@ -321,8 +321,9 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, device: torch.device, name: str, 
                 if attempt or weights is None or problem:
                     built = _build_gguf_cache(src, sha, entry)
                     if built is not None:
-                        model, tokenizer = built  # as dequantized: the cache could not take it (no store
-                        return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, name)  # folder)
+                        # as dequantized: the cache could not take it (no store folder: levels built in memory)
+                        model, tokenizer = built
+                        return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, name)
                     weights, _ = _entry_weights(entry, sha, hf, check=False)  # (just built)
             try:
                 if weights is None:

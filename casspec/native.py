@@ -23,7 +23,7 @@ from torch import Tensor
 
 from dsia.blockq import BLOCK, BlockLinear
 from dsia.errors import CasspecError
-from dsia.fastloop import build_error
+from dsia.cxx import build_error
 from dsia.model import FUSED_GROUPS, Transformer
 from dsia.plan import Plan
 from dsia.quant import FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits

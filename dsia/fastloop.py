@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from .blockq import BlockLinear
-from .cxx import build_error, built  # noqa: F401 - (the library this module runs, re-exported)
 from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import kernel_for, mkl_packed
 from .model import EAGER, FUSED_GROUPS, KvAccess, Pointwise, Transformer

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsia.fastloop import build_error
+from dsia.cxx import build_error
 from test_ops import sdpa_rows
 
 pytestmark = pytest.mark.skipif(build_error() is not None, reason=f"the C++ ops did not build: {build_error()}")
@@ -83,7 +83,7 @@ def test_attention_over_zero_kv_heads_is_an_error_not_a_signal():
     SIGFPE. Run in a child process, so a signal would show as its exit status instead of ending this one."""
     code = textwrap.dedent("""
         import torch
-        from dsia.fastloop import build_error
+        from dsia.cxx import build_error
         assert build_error() is None
         for H, Hkv in ((4, 0), (0, 0), (0, 2)):
             try:

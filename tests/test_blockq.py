@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsia.blockq import BlockLinear
-from dsia.fastloop import build_error
+from dsia.cxx import build_error
 
 pytestmark = pytest.mark.skipif(build_error() is not None, reason=f"the C++ ops did not build: {build_error()}")
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dsia.errors import CasspecError
-from dsia.fastloop import BLOCKS, Stacks, build_error, layer_stack
+from dsia.cxx import build_error
+from dsia.fastloop import BLOCKS, Stacks, layer_stack
 from dsia.plan import TARGET, Plan
 from tiny import KERNELS, tiny_engine, tiny_gguf
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsia.fastloop import build_error, cxx_pointwise
+from dsia.cxx import build_error
+from dsia.fastloop import cxx_pointwise
 from dsia.model import EAGER, rope
 from dsia.plan import TARGET
 from tiny import tiny_engine

@@ -85,7 +85,6 @@ constexpr bool kFoldMany = true;
 constexpr int kOut = 4, kRows = 4;
 #include "dense_rows.h"
 }  // namespace
-void run(const Job& j, int64_t a, int64_t b) { range(j, a, b); }
 }  // namespace dense512
 #pragma GCC pop_options
 
@@ -117,7 +116,6 @@ inline void fold_many(const Vec*, float*) {}
 constexpr int kOut = 2, kRows = 2;
 #include "dense_rows.h"
 }  // namespace
-void run(const Job& j, int64_t a, int64_t b) { range(j, a, b); }
 }  // namespace dense256
 #pragma GCC pop_options
 
@@ -143,7 +141,6 @@ inline void fold_many(const Vec*, float*) {}
 constexpr int kOut = 1, kRows = 1;
 #include "dense_rows.h"
 }  // namespace
-void run(const Job& j, int64_t a, int64_t b) { range(j, a, b); }
 }  // namespace dense_plain
 
 namespace {
@@ -190,11 +187,11 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   at::parallel_for(0, tasks, grain, [&](int64_t a, int64_t b) {
     const int64_t lo = a * kTaskOutputs, hi = std::min(N, b * kTaskOutputs);
     if (use == kAvx512) {
-      dense512::run(j, lo, hi);
+      dense512::range(j, lo, hi);
     } else if (use == kAvx2) {
-      dense256::run(j, lo, hi);
+      dense256::range(j, lo, hi);
     } else {
-      dense_plain::run(j, lo, hi);
+      dense_plain::range(j, lo, hi);
     }
   });
   return y;

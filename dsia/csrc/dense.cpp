@@ -81,9 +81,18 @@ struct Vec {
     out[s] = sums[4 * (s % 4) + s / 4];
   }
 }
-constexpr bool kFoldMany = true;
-constexpr int kOut = 4, kRows = 4;
 #include "dense_rows.h"
+// One row to 4: one output a tile, so each thread reads its weights as one stream (at the bandwidth floor); more
+// rows: 2 or 4 outputs a tile share each row's loads (29 of the 32 registers at 4 x 6).
+void range(const Job& j, int64_t a, int64_t b) {
+  if (j.T <= 4) {
+    tiles<1, 4>(j, a, b);
+  } else if (j.T <= 8) {
+    tiles<2, 8>(j, a, b);
+  } else {
+    tiles<4, 6>(j, a, b);
+  }
+}
 }  // namespace
 }  // namespace dense512
 #pragma GCC pop_options
@@ -111,10 +120,23 @@ struct Vec {
     _mm256_storeu_ps(p + 8, hi);
   }
 };
-constexpr bool kFoldMany = false;
-inline void fold_many(const Vec*, float*) {}
-constexpr int kOut = 2, kRows = 2;
+// 16 vectors' fold16, one at a time (the same additions as the AVX-512 path's fold_many)
+void fold_many(const Vec* v, float* out) {
+  for (int s = 0; s < 16; ++s) {
+    float lanes[kLanes];
+    v[s].store(lanes);
+    out[s] = fold16(lanes);
+  }
+}
 #include "dense_rows.h"
+// 16 registers: one output by 4 rows, or 2 by 2
+void range(const Job& j, int64_t a, int64_t b) {
+  if (j.T <= 4) {
+    tiles<1, 4>(j, a, b);
+  } else {
+    tiles<2, 2>(j, a, b);
+  }
+}
 }  // namespace
 }  // namespace dense256
 #pragma GCC pop_options
@@ -136,10 +158,16 @@ struct Vec {
   }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
 };
-constexpr bool kFoldMany = false;
-inline void fold_many(const Vec*, float*) {}
-constexpr int kOut = 1, kRows = 1;
+// 16 vectors' fold16, one at a time (the same additions as the AVX-512 path's fold_many)
+void fold_many(const Vec* v, float* out) {
+  for (int s = 0; s < 16; ++s) {
+    float lanes[kLanes];
+    v[s].store(lanes);
+    out[s] = fold16(lanes);
+  }
+}
 #include "dense_rows.h"
+void range(const Job& j, int64_t a, int64_t b) { tiles<1, 1>(j, a, b); }
 }  // namespace
 }  // namespace dense_plain
 

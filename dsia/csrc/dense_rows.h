@@ -1,4 +1,5 @@
-// (included once per instruction set by dense.cpp, inside its namespace, with `Vec` defined: 16 float lanes)
+// (included once per instruction set by dense.cpp, inside its namespace, with `Vec` defined: 16 float lanes, and
+// fold_many: 16 vectors' fold16 at once)
 // Outputs [o0, o0 + O) of rows [t0, t0 + R): lane l of output o's sum takes inputs k = 16 c + l, c = 0, 1, ... in
 // order, one fused multiply-add each (inputs past K are zeros); the lanes folded in halves; the bias added last.
 
@@ -54,26 +55,25 @@ template <int O, int R>
       flat[o * R + r] = acc[o][r];
     }
   }
-  float sums[O][R];
-  if constexpr (O * R == 16 && kFoldMany) {
-    fold_many(flat, &sums[0][0]);
-  } else {
-    for (int o = 0; o < O; ++o) {
-      for (int r = 0; r < R; ++r) {
-        float lanes[kLanes];
-        flat[o * R + r].store(lanes);
-        sums[o][r] = fold16(lanes);
-      }
-    }
+  float sums[O * R];  // [o * R + r]
+  int i = 0;
+  for (; i + 16 <= O * R; i += 16) {
+    fold_many(flat + i, sums + i);
+  }
+  for (; i < O * R; ++i) {
+    float lanes[kLanes];
+    flat[i].store(lanes);
+    sums[i] = fold16(lanes);
   }
   for (int r = 0; r < R; ++r) {
     for (int o = 0; o < O; ++o) {
-      j.y[(t0 + r) * j.N + o0 + o] = j.bias != nullptr ? sums[o][r] + j.bias[o0 + o] : sums[o][r];
+      const float sum = sums[o * R + r];
+      j.y[(t0 + r) * j.N + o0 + o] = j.bias != nullptr ? sum + j.bias[o0 + o] : sum;
     }
   }
 }
 
-// outputs [o0, o0 + O) of the last `left` rows (fewer than kRows), from t
+// outputs [o0, o0 + O) of the last `left` rows (fewer than a tile's), from t
 template <int O, int R>
 [[gnu::always_inline]] inline void last_rows(const Job& j, int64_t o0, int64_t t, int64_t left,
                                              const float* ahead) {
@@ -86,22 +86,25 @@ template <int O, int R>
   }
 }
 
-// outputs [o0, o0 + O) of every row: kRows rows a tile (the outputs' weights then come from L1 for the next rows)
-template <int O>
+// outputs [o0, o0 + O) of every row: R rows a tile (the outputs' weights then come from L1 for the next rows)
+template <int O, int R>
 void outputs(const Job& j, int64_t o0, const float* ahead) {
   int64_t t = 0;
-  for (; t + kRows <= j.T; t += kRows) {
-    tile<O, kRows>(j, o0, t, t == 0 ? ahead : nullptr);  // (the first rows' pass fetches the next outputs' weights)
+  for (; t + R <= j.T; t += R) {
+    tile<O, R>(j, o0, t, t == 0 ? ahead : nullptr);  // (the first rows' pass fetches the next outputs' weights)
   }
-  last_rows<O, kRows - 1>(j, o0, t, j.T - t, t == 0 ? ahead : nullptr);
+  last_rows<O, R - 1>(j, o0, t, j.T - t, t == 0 ? ahead : nullptr);
 }
 
-void range(const Job& j, int64_t a, int64_t b) {
+// outputs [a, b) of every row in tiles of O outputs by R rows. The tile shape changes only which sums run side by
+// side, never one sum's order: every shape gives the same bits.
+template <int O, int R>
+void tiles(const Job& j, int64_t a, int64_t b) {
   int64_t o = a;
-  for (; o + kOut <= b; o += kOut) {
-    outputs<kOut>(j, o, o + 2 * kOut <= b ? j.w + (o + kOut) * j.K : nullptr);
+  for (; o + O <= b; o += O) {
+    outputs<O, R>(j, o, o + 2 * O <= b ? j.w + (o + O) * j.K : nullptr);
   }
   for (; o < b; ++o) {
-    outputs<1>(j, o, nullptr);
+    outputs<1, R>(j, o, nullptr);
   }
 }

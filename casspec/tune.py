@@ -52,7 +52,8 @@ def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = 
             return DenseKernels(tuple(rec["names"])), dict(rec, source="cached")
         except CasspecError:
             pass  # a kernel this version does not know: measure again
-    timings = measure(model.dense_weights())
+    *layers, head = model.dense_weights()
+    timings = measure(layers, head)
     chosen = choose(timings)
     rec = {"names": list(chosen.names), "timings_ms": timings, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     store[key] = rec

@@ -177,26 +177,28 @@ SLOWER_DROPPED = 1.3  # a kernel this much slower than a bucket's fastest after 
 
 
 @torch.inference_mode()
-def measure(weights: list[Tensor], repeats: int = 5, seed: int = 0) -> dict[str, list[float]]:
-    """Milliseconds of one pass over `weights` [out, in] (a model's own: every projection of every layer and the
-    LM head, so that the pass streams them from memory as a forward does; a few layers' alone would sit in a
-    large L3 and favour another kernel), per candidate kernel and bucket: {kernel: [ms per bucket]}, the median
-    of `repeats` passes (3 for the prompt bucket), kernels interleaved so that machine drift hits them alike. A
-    kernel SLOWER_DROPPED times the fastest after the first timed pass keeps that one time (first use is shorter:
-    a choice is not in doubt there)."""
-    dtype, device = weights[0].dtype, weights[0].device
+def measure(layers: list[Tensor], head: Tensor, repeats: int = 5, seed: int = 0) -> dict[str, list[float]]:
+    """Milliseconds of one pass over a model's weights [out, in] (every projection of every layer, and the LM head
+    but in the prompt bucket, whose prefill computes one row's logits; all of them, so that the pass streams them
+    from memory as a forward does: a few layers' alone would sit in a large L3 and favour another kernel), per
+    candidate kernel and bucket: {kernel: [ms per bucket]}, the median of `repeats` passes (3 for the prompt
+    bucket), kernels interleaved so that machine drift hits them alike. One untimed pass first warms up every
+    kernel (and packs). A kernel SLOWER_DROPPED times the fastest after a bucket's first pass keeps that one time
+    (first use is shorter: a choice is not in doubt there)."""
+    dtype, device = head.dtype, head.device
     gen = torch.Generator().manual_seed(seed)
     kernels = candidates(dtype, device)
     times: dict[str, list[list[float]]] = {k: [[] for _ in BUCKETS] for k in kernels}
     for j, T in enumerate(BUCKETS):
+        weights = layers if j + 1 == len(BUCKETS) else layers + [head]
         xs = {i: torch.randn(T, i, generator=gen).to(dtype=dtype, device=device) for i in {w.shape[1] for w in weights}}
         timed = dict(kernels)
-        for r in range((repeats if T <= 64 else 3) + 1):  # the first pass warms up (and packs)
+        for r in range(-1 if j == 0 else 0, repeats if T <= 64 else 3):  # (r -1: the warm-up pass)
             for name, fn in timed.items():
                 ms = time_ms(lambda: [fn(xs[w.shape[1]], w, None) for w in weights], device)
-                if r:
+                if r >= 0:
                     times[name][j].append(ms)
-            if r == 1:
+            if r == 0:
                 best = min(times[name][j][0] for name in timed)
                 timed = {name: fn for name, fn in timed.items() if times[name][j][0] <= SLOWER_DROPPED * best}
     return {name: [statistics.median(ms) for ms in per_bucket] for name, per_bucket in times.items()}

@@ -220,16 +220,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from dsia.model import Transformer
 
     from .loading import load
-    from .tune import floor_ms, format_tuning, read_gbs, tuned_kernels
+    from .tune import format_steps, format_tuning, step_times, tuned_kernels
 
     model = Transformer.from_hf(load(args.model, args.dtype, args.device).model)
     kernels, rec = tuned_kernels(model, refresh=args.refresh)
     print(format_tuning(rec))
     print(f"chosen: {kernels.describe()} ({rec['source']}, {rec['created']})")
-    gbs = read_gbs(model.device)
-    mb = model.weight_bytes() / 1e6
-    print(f"memory-bandwidth floor of a target step: {floor_ms(model, gbs):.2f} ms ({mb:.0f} MB of weights at "
-          f"{gbs:.1f} GB/s streaming read)")
+    del model
+    engine = _engine(args)  # the target as generate runs it (--weights, --batch-invariant, the kernels chosen)
+    print(f"the target's forwards ({engine.kernels}):")
+    print(format_steps(step_times(engine.model, engine.cache), engine.model.weight_bytes()))
     return 0
 
 

@@ -7,14 +7,18 @@ torch build or model it was not measured for is measured anew; nothing measured 
 """
 from __future__ import annotations
 
+import functools
 import json
+import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from dsia.errors import CasspecError
 from dsia.kernels import BUCKETS, DenseKernels, candidates, choose, measure, time_ms
+from dsia.kvcache import KVCache
 from dsia.model import Transformer
 from dytc.latency import machine_info
 
@@ -83,6 +87,49 @@ def read_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> f
 def floor_ms(model: Transformer, gbs: float) -> float:
     """The memory-bandwidth floor of one target step: its weights' bytes read once at `gbs` GB/s."""
     return model.weight_bytes() / (gbs * 1e9) * 1e3
+
+
+STEP_TOKENS = (1, 4, 16)  # the forwards `step_report` times: a one-token step, a short chain, a tree's verification
+STEP_CONTEXT = 64  # committed tokens under the timed forwards
+
+
+@torch.inference_mode()
+def step_times(model: Transformer, cache: KVCache, repeats: int = 20) -> dict[str, float]:
+    """Median ms of the target's forwards over STEP_TOKENS tokens on STEP_CONTEXT committed ones (written to the
+    cache's scratch, never committed), and of the floor: a streaming read of as many bytes as a step reads, with
+    the machine's threads (torch.sum over one buffer), timed in turn with the forwards so that the machine's drift
+    (its memory bandwidth varies run to run) hits them alike. {"floor": ms, "1": ms, "4": ms, "16": ms}."""
+    dev = model.device
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.spec.vocab_size, (STEP_CONTEXT + max(STEP_TOKENS),), generator=gen).to(dev)
+    cache.rollback(0)
+    model.forward(cache, ids[:STEP_CONTEXT], torch.arange(STEP_CONTEXT, device=dev), 0, prefill=True)
+    cache.commit(list(range(STEP_CONTEXT)))
+    buf = torch.ones(model.weight_bytes() // 4, device=dev)
+    runs: dict[str, Callable[[], object]] = {"floor": buf.sum}
+    for T in STEP_TOKENS:
+        tokens, positions = ids[STEP_CONTEXT:STEP_CONTEXT + T], torch.arange(STEP_CONTEXT, STEP_CONTEXT + T, device=dev)
+        runs[str(T)] = functools.partial(model.forward, cache, tokens, positions, STEP_CONTEXT)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(repeats + 2):  # (2 warm-up rounds)
+        for k, fn in runs.items():
+            ms = time_ms(fn, dev)
+            if r >= 2:
+                times[k].append(ms)
+    cache.rollback(0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def format_steps(times: dict[str, float], weight_bytes: int) -> str:
+    """The forwards against the floor and against a one-token step, as a table."""
+    floor, one = times["floor"], times["1"]
+    lines = ["| forward | ms | x floor | x one-token step |", "|---|---|---|---|"]
+    for T in STEP_TOKENS:
+        ms = times[str(T)]
+        lines.append(f"| {T} token{'s' if T > 1 else ''} | {ms:.2f} | {ms / floor:.2f} | {ms / one:.2f} |")
+    lines.append(f"floor: {floor:.2f} ms ({weight_bytes / 1e6:.0f} MB, a step's weights, streamed at "
+                 f"{weight_bytes / floor / 1e6:.1f} GB/s)")
+    return "\n".join(lines)
 
 
 def kernels_for(model: Transformer, choice: str) -> tuple[DenseKernels, str]:

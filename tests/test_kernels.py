@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from casspec.tune import format_tuning, tuned_kernels, tuning_key
+from casspec.tune import STEP_TOKENS, format_steps, format_tuning, step_times, tuned_kernels, tuning_key
 from dsia.errors import CasspecError
 from dsia.kernels import BUCKETS, DenseKernels, bucket_of, candidates, choose
 from dsia.model import Transformer
@@ -78,3 +78,15 @@ def test_engine_reports_its_kernels(monkeypatch, tmp_path):
     r = e.generate("w5 w6 w7", max_new_tokens=4)
     assert f"kernels: {e.kernels}" in r.stats.summary()
     assert tiny_engine("llama", 5).kernels == "blas (T 1+) (forced)"
+
+
+def test_the_step_report_times_each_forward_against_the_floor():
+    e = tiny_engine("llama", 5, max_context=96)
+    before = e.cache.length
+    times = step_times(e.model, e.cache, repeats=3)
+    assert set(times) == {"floor"} | {str(T) for T in STEP_TOKENS} and all(ms > 0 for ms in times.values())
+    assert e.cache.length == before == 0  # (scratch forwards only: nothing committed)
+    table = format_steps(times, e.model.weight_bytes())
+    assert "| 1 token |" in table and "| 16 tokens |" in table and "streamed at" in table
+    assert f"| {times['1'] / times['floor']:.2f} | 1.00 |" in table
+    assert len(e.generate("w5 w6 w7", max_new_tokens=4).token_ids) == 4  # the engine decodes after the report

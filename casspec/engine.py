@@ -30,7 +30,7 @@ from dsia.graphs import BUCKETS, Graphs
 from dsia.kernels import DenseKernels, candidates
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
-from dsia.model import Transformer, compiled_pointwise
+from dsia.model import OWN_ATTENTION_DTYPES, Transformer, compiled_pointwise
 from dsia.spec import DEFAULT_CONTEXT
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy
@@ -114,8 +114,8 @@ class Engine:
         # round a verification's last-bit differences from a one-token step (the attention's) into larger ones
         batch_invariant = batch_invariant or native
         # casspec's own products and attention give each row the same bits whatever the rows beside it (by
-        # construction, on every CPU): a batch-invariant float32 target runs them where the library is built
-        own = stacked and not compiled and model.dtype == torch.float32 and not cuda
+        # construction, on every CPU): a batch-invariant target runs them where the library is built
+        own = stacked and not compiled and not cuda  # (the library's ops: its attention in OWN_ATTENTION_DTYPES)
         if batch_invariant and own and kernels == "auto" and "casspec" in candidates(model.dtype, model.device):
             dense, self.kernels = DenseKernels.forced("casspec"), "casspec (batch-invariant by construction)"
         else:
@@ -125,13 +125,13 @@ class Engine:
             if graphs or compile_pointwise:
                 raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "
                                    "elementwise steps off with them")
-            model = model.with_batch_invariant(own_attention=own)
+            model = model.with_batch_invariant(own_attention=own and model.dtype in OWN_ATTENTION_DTYPES)
             self.kernels += "; batch-invariant"
         if compiled:
             model = model.with_pointwise(compiled_pointwise())
         if stacked:
             model = model.with_stacks(Stacks())
-            if not compiled:  # the small steps of a float32 forward by the same library's ops, in both loops
+            if not compiled:  # a forward's small steps by the same library's ops (where they take it), in both loops
                 model = model.with_pointwise(cxx_pointwise())
         if graphs is None:
             graphs = cuda
@@ -464,7 +464,7 @@ class Engine:
         cache, dev = self.cache, self.device
         start, n = cache.length, len(ids)
         logits = self.model.forward(cache, torch.tensor(ids[start:], device=dev), torch.arange(start, n, device=dev),
-                                    start, logits_rows=slice(n - 1 - start, n - start), prefill=True)
+                                    start, logits_rows=slice(n - 1 - start, n - start))
         cache.commit(list(range(n - start)))
         return logits
 

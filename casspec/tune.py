@@ -103,7 +103,7 @@ def step_times(model: Transformer, cache: KVCache, repeats: int = 20) -> dict[st
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.spec.vocab_size, (STEP_CONTEXT + max(STEP_TOKENS),), generator=gen).to(dev)
     cache.rollback(0)
-    model.forward(cache, ids[:STEP_CONTEXT], torch.arange(STEP_CONTEXT, device=dev), 0, prefill=True)
+    model.forward(cache, ids[:STEP_CONTEXT], torch.arange(STEP_CONTEXT, device=dev), 0)
     cache.commit(list(range(STEP_CONTEXT)))
     buf = torch.ones(model.weight_bytes() // 4, device=dev)
     runs: dict[str, Callable[[], object]] = {"floor": buf.sum}

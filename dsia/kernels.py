@@ -75,13 +75,14 @@ def _casspec_available() -> bool:
 
 
 def _casspec(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """casspec's own product (csrc/dense.cpp): each output summed in 16 lanes in input order with fused
-    multiply-adds, folded in a fixed order, so a row's bits do not depend on the rows beside it, the call's row
-    count or the CPU's instruction set."""
+    """casspec's own product (csrc/dense.cpp; float32, or bfloat16 summed in float32 and rounded once): each output
+    summed in 16 lanes in input order with fused multiply-adds, folded in a fixed order, so a row's bits do not
+    depend on the rows beside it, the call's row count or the CPU's instruction set."""
     return torch.ops.casspec.dense_linear(x, w, b)
 
 
-FLOAT32_CPU_ONLY = ("onednn", "mkl", "casspec")  # kernels that compute float32 on a CPU only; others go to BLAS
+# kernels that run on a CPU only and compute only these dtypes (a product outside them goes to BLAS)
+CPU_DTYPES = {"onednn": (torch.float32,), "mkl": (torch.float32,), "casspec": (torch.float32, torch.bfloat16)}
 _PACKED = PackedSgemm()  # the one store of packed weights
 KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn, "mkl": _PACKED,
                                "casspec": _casspec}  # every dense kernel by name
@@ -95,15 +96,17 @@ def mkl_packed(w: Tensor) -> Tensor:
 def kernel_for(dense: DenseKernels, tokens: int, dtype: torch.dtype, device: torch.device) -> str:
     """The kernel `dense` runs a product over `tokens` rows in dtype on device with (as DenseKernels.__call__)."""
     name = dense.names[bucket_of(tokens)]
-    return "blas" if name in FLOAT32_CPU_ONLY and (dtype != torch.float32 or device.type != "cpu") else name
+    ok = name not in CPU_DTYPES or (device.type == "cpu" and dtype in CPU_DTYPES[name])
+    return name if ok else "blas"
 
 
 def candidates(dtype: torch.dtype, device: torch.device | str) -> dict[str, DenseFn]:
-    """The kernels that compute in `dtype` on this device: BLAS `F.linear` always; for float32 on a CPU, oneDNN's
-    inner product and MKL's packed sgemm where torch has them, and casspec's own where its library builds."""
-    cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    ok = {"blas": True, "onednn": cpu32 and _onednn_available(), "mkl": cpu32 and _mkl_available(),
-          "casspec": cpu32 and _casspec_available()}
+    """The kernels that compute in `dtype` on this device: BLAS `F.linear` always; on a CPU, for float32 oneDNN's
+    inner product and MKL's packed sgemm where torch has them, and for float32 and bfloat16 casspec's own where its
+    library builds."""
+    on = {name: torch.device(device).type == "cpu" and dtype in dtypes for name, dtypes in CPU_DTYPES.items()}
+    ok = {"blas": True, "onednn": on["onednn"] and _onednn_available(), "mkl": on["mkl"] and _mkl_available(),
+          "casspec": on["casspec"] and _casspec_available()}
     return {name: fn for name, fn in KERNELS.items() if ok[name]}
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .graphs import Graphs
 
 FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # projections sharing one input
+OWN_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # what Pointwise.attention (casspec's op, on a CPU) takes
 
 
 @dataclass
@@ -136,7 +137,7 @@ class Pointwise:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     rope_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor]
     # q [H, T, hd], a layer's keys and values [Hkv, S, hd], end, mask [T, end] bool | None (causal by slot), scale ->
-    # [T, H*hd], each row over its own keys whatever the other rows (float32 on a CPU); None: SDPA's attention
+    # [T, H*hd], each row over its own keys whatever the other rows (OWN_ATTENTION_DTYPES on a CPU); None: SDPA's
     attention: Callable[[Tensor, Tensor, Tensor, int, Tensor | None, float], Tensor] | None = None
 
 
@@ -387,8 +388,7 @@ class Transformer:
     # ------------------------------------------------------------------ forward
     def forward(self, cache: KVCache, tokens: Tensor, positions: Tensor, start: int,
                 scratch_mask: Tensor | None = None, plan: Plan = TARGET,
-                logits_rows: Tensor | slice | None = None, visible_prefix: int | None = None,
-                prefill: bool = False) -> Tensor:
+                logits_rows: Tensor | slice | None = None, visible_prefix: int | None = None) -> Tensor:
         """Run T new tokens on top of the committed prefix and return their logits.
 
         tokens, positions: [T] (positions are absolute, e.g. prefix length + tree depth).
@@ -398,8 +398,6 @@ class Transformer:
         logits_rows: which of the T rows need logits (None = all). Returns logits [N, V] in float32.
         visible_prefix: only committed slots [0, visible_prefix) are visible (default: all of them); used to
             re-score already committed tokens teacher-forced in scratch (e.g. the skip-set search).
-        prefill: a prompt's forward, whose rows no method compares with a step's (a batch-invariant target may
-            attend over them with SDPA where its own attention would be slower, see `_attention_of`).
         """
         T = tokens.shape[0]
         end = start + T
@@ -409,7 +407,7 @@ class Transformer:
             logits = self.graphs.run(cache, tokens, positions, start, scratch_mask, plan, logits_rows)
             if logits is not None:
                 return logits
-        kernel = self._attention_of(T, plan, prefill)
+        kernel = self._attention_of(T, plan)
         if kernel == "rows":
             rows = row_keys(cache.length, start, T, scratch_mask, visible_prefix, self.device)
             cache.reserve(max(end, rows.shared))
@@ -421,13 +419,14 @@ class Transformer:
                           own=kernel == "own")
         return self._layers(cache, tokens, positions, kv, plan, logits_rows)
 
-    def _attention_of(self, T: int, plan: Plan, prefill: bool) -> str:
+    def _attention_of(self, T: int, plan: Plan) -> str:
         """Which attention a forward over T rows runs: "own" (Pointwise.attention: each row over its own keys, one
         loop), "rows" (the batch-invariant block_attention) or "sdpa". A batch-invariant target attends with its own
-        where the Pointwise has one (every row alike, but for a prompt's: SDPA is faster over many rows), else by
-        blocks; any other forward with its own over one row (where it is faster than SDPA's), SDPA over more."""
-        own = self.pointwise.attention is not None and self.dtype == torch.float32 and self.device.type == "cpu"
-        if self.batch_invariant and plan.is_target and not (prefill and own):
+        where the Pointwise has one, else by blocks, a prompt's prefill too (a later prompt that starts with this
+        one reuses its KV: written otherwise, it would differ in the last bits from what one-token steps write);
+        any other forward with its own over one row (where it is faster than SDPA's), SDPA over more."""
+        own = self.pointwise.attention is not None and self.dtype in OWN_ATTENTION_DTYPES and self.device.type == "cpu"
+        if self.batch_invariant and plan.is_target:
             return "own" if own else "rows"
         return "own" if own and T == 1 else "sdpa"
 

@@ -1,5 +1,7 @@
 """The batch-invariant mode (dsia/invariant.py): in bfloat16 a row's logits do not depend on the other rows of its
-forward, so every method's greedy tokens are `ar`'s; the attention it computes is the model's."""
+forward, so every method's greedy tokens are `ar`'s; the attention it computes is the model's. Where casspec's
+library builds the mode runs its own products and attention (row-invariant by construction, on every CPU); without
+it, torch's kernels, where the self-check finds them row-invariant (elsewhere the mode refuses)."""
 from __future__ import annotations
 
 import functools
@@ -11,8 +13,11 @@ import torch.nn.functional as F
 
 from casspec.engine import Request
 from casspec.methods import METHODS
+from dsia.cxx import build_error
 from dsia.errors import CasspecError
+from dsia.fastloop import cxx_pointwise
 from dsia.invariant import BLOCK, RowKeys, block_attention, rows_independent
+from dsia.kernels import DenseKernels
 from dsia.model import Transformer
 from dytc.router import RouterConfig
 from dytc.tree import ancestor_mask, position_ids
@@ -21,25 +26,33 @@ from tiny import tiny_engine, tiny_model
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 10, 11, 5, 6, 7]  # repeats, so that the lookups find matches
 
 
+OWN = build_error() is None  # casspec's library built: the mode runs its own kernels
+
+
 @functools.lru_cache(maxsize=None)
 def premise() -> bool:
-    """Whether this machine's bf16 kernels give each row the same result whatever the row count (the mode refuses
-    to run where they do not: `test_the_mode_refuses_where_rows_depend_on_the_row_count`)."""
+    """Whether this machine's bf16 kernels (torch's) give each row the same result whatever the row count (the mode
+    over them refuses to run where they do not: `test_over_torchs_kernels_the_mode_runs_or_refuses`)."""
     m = Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16))
     return rows_independent(m.dense, m.product_shapes(), m.spec.head_dim, m.dtype, m.device)
 
 
 def needs_premise() -> None:
     if not premise():
-        pytest.skip("this machine's bfloat16 kernels are not row-invariant: the mode refuses to run here")
+        pytest.skip("casspec's library did not build and this machine's bfloat16 kernels are not row-invariant: the "
+                    "mode refuses to run here")
 
 
 @functools.lru_cache(maxsize=None)
-def model(invariant: bool) -> Transformer:
+def model(invariant: bool, own: bool = OWN) -> Transformer:
     m = Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16))
-    if invariant:
-        needs_premise()
-    return m.with_batch_invariant() if invariant else m
+    if not invariant:
+        return m
+    if own:  # casspec's products and attention, as the engine runs them where its library is built
+        return m.with_dense(DenseKernels.forced("casspec")).with_pointwise(cxx_pointwise()).with_batch_invariant(
+            own_attention=True)
+    needs_premise()
+    return m.with_batch_invariant()
 
 
 def random_tree(n: int, rng: random.Random) -> list[int]:
@@ -104,9 +117,11 @@ def test_without_the_mode_rows_differ():
 
 @functools.lru_cache(maxsize=None)
 def engine(seed: int, invariant: bool = True):
-    if invariant:
+    if invariant and not OWN:
         needs_premise()
-    return tiny_engine("llama", seed, dtype=torch.bfloat16, batch_invariant=invariant)
+    # (kernels "auto": a batch-invariant engine then runs casspec's own, unmeasured, where its library is built)
+    return tiny_engine("llama", seed, dtype=torch.bfloat16, batch_invariant=invariant,
+                       kernels="auto" if invariant and OWN else "blas")
 
 
 SEEDS = (0, 3)  # tiny bfloat16 models whose near-ties make methods leave `ar` without the mode
@@ -162,6 +177,28 @@ def test_the_mode_is_for_bfloat16_on_a_cpu():
         Transformer.from_hf(tiny_model("llama", 0)).with_batch_invariant()  # float32
     with pytest.raises(CasspecError, match="eagerly"):
         tiny_engine("llama", 0, dtype=torch.bfloat16, batch_invariant=True, graphs=True)
+
+
+def test_over_torchs_kernels_the_mode_runs_or_refuses():
+    """Without casspec's kernels the mode rests on torch's: where they give a row other bits at other row counts
+    (as on an AMD EPYC) it refuses to run; where they do not, a tree's rows are the one-token steps'."""
+    m = Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16))
+    if not premise():
+        with pytest.raises(CasspecError, match="row count"):
+            m.with_batch_invariant()
+        return
+    rng = random.Random(7)
+    V = m.spec.vocab_size
+    prompt, tokens = [rng.randrange(V) for _ in range(BLOCK + 3)], [rng.randrange(V) for _ in range(8)]
+    assert differing_rows(model(True, own=False), prompt, random_tree(8, rng), tokens) == 0
+
+
+def test_the_engine_runs_casspecs_kernels_in_the_mode():
+    if not OWN:
+        pytest.skip(f"casspec's library did not build: {build_error()}")
+    e = engine(0)
+    assert e.kernels.startswith("casspec (batch-invariant by construction)")
+    assert e.model.dense.names == DenseKernels.forced("casspec").names and e.model.pointwise.attention is not None
 
 
 def test_the_mode_refuses_where_rows_depend_on_the_row_count(monkeypatch):

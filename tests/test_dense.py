@@ -1,7 +1,7 @@
-"""casspec's own dense float32 product (dsia/csrc/dense.cpp, the `casspec` kernel): close to F.linear, each row the
-same bits whatever the rows beside it and the call's row count (by construction: every output summed in the same
-lane order), the same bits from its AVX-512, AVX2 and plain loops, every argument checked; and an engine running it
-decodes the target's tokens with every method."""
+"""casspec's own dense product (dsia/csrc/dense.cpp, the `casspec` kernel), float32 and bfloat16: close to F.linear,
+each row the same bits whatever the rows beside it and the call's row count (by construction: every output summed in
+the same lane order), the same bits from its AVX-512, AVX2 and plain loops, every argument checked; and an engine
+running it decodes the target's tokens with every method."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,8 @@ def isas() -> list[int]:
 
 
 def test_it_is_a_candidate_wherever_the_library_builds():
-    assert "casspec" in candidates(torch.float32, "cpu")
-    assert "casspec" not in candidates(torch.bfloat16, "cpu")  # (float32 only: other dtypes go to BLAS)
+    assert "casspec" in candidates(torch.float32, "cpu") and "casspec" in candidates(torch.bfloat16, "cpu")
+    assert "casspec" not in candidates(torch.float16, "cpu")  # (other dtypes go to BLAS)
 
 
 @settings(max_examples=60, deadline=None)
@@ -49,6 +49,22 @@ def test_each_row_is_the_same_bits_alone_on_every_path_and_close_to_f_linear(T, 
     assert torch.equal(ops.dense_linear(x[lo:], w, b, -1), y[lo:])
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 200), st.integers(1, 70), st.booleans(), st.integers(0, 2**31 - 1))
+def test_bfloat16_is_the_float32_product_of_its_values_rounded_once(T, K, N, biased, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(T, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if biased else None
+    y = ops.dense_linear(x, w, b, -1)
+    assert y.dtype == torch.bfloat16
+    wide = ops.dense_linear(x.float(), w.float(), None if b is None else b.float(), -1)  # the widened values' sums
+    assert torch.equal(y, wide.bfloat16())
+    for isa in isas():
+        assert torch.equal(ops.dense_linear(x, w, b, isa), y)
+    for t in range(T):
+        assert torch.equal(ops.dense_linear(x[t:t + 1], w, b, -1)[0], y[t])
+
+
 def test_large_products_split_between_threads_keep_their_bits():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(16, 576, generator=g), torch.randn(4099, 576, generator=g)  # (a ragged last task)
@@ -62,7 +78,8 @@ def test_its_arguments_are_checked():
     x, w, b = torch.randn(2, 32), torch.randn(8, 32), torch.randn(8)
     for args, needle in [((x, w[:, :16], b), r"w \[N, 32\]"), ((x, w.t().contiguous().t(), b), "contiguous"),
                          ((x, w, b[:4]), "bias of 8"), ((x, w, b.double()), "Float expected"),
-                         ((x.bfloat16(), w, b), "Float expected"), ((x[None], w, b), "2 dims expected"),
+                         ((x.bfloat16(), w, b), "BFloat16 expected"), ((x.double(), w, b), "float32 or bfloat16 x"),
+                         ((x.bfloat16(), w.bfloat16(), b), "BFloat16 expected"), ((x[None], w, b), "2 dims expected"),
                          ((x, torch.empty(8, 32, device="meta"), b), "CPU tensor expected")]:
         with pytest.raises(RuntimeError, match=needle):
             ops.dense_linear(*args, -1)

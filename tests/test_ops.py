@@ -95,22 +95,21 @@ def test_a_tree_rows_keys_moved_to_the_committed_slots_give_the_same_bits():
 
 
 def test_each_forward_picks_its_attention():
-    """A dense target: its own over one row, SDPA over more; a batch-invariant target: its own over every forward
-    but a prompt's; without the ops: SDPA, and block by block for a batch-invariant target."""
+    """A dense target: its own over one row, SDPA over more; a batch-invariant target: its own over every forward,
+    a prompt's too; without the ops: SDPA, and block by block for a batch-invariant target."""
     eng = tiny_engine("llama", seed=0)
     m = eng.model
     assert m.pointwise.attention is not None  # (the engine runs the C++ loop and its ops)
-    assert [m._attention_of(T, TARGET, False) for T in (1, 4)] == ["own", "sdpa"]
+    assert [m._attention_of(T, TARGET) for T in (1, 4)] == ["own", "sdpa"]
     inv = copy.copy(m)  # (the mode takes float32 for a native target only: its flag alone, here)
     inv.batch_invariant = True
-    assert [inv._attention_of(T, TARGET, False) for T in (1, 4, 300)] == ["own"] * 3
-    assert inv._attention_of(300, TARGET, True) == "sdpa"
+    assert [inv._attention_of(T, TARGET) for T in (1, 4, 300)] == ["own"] * 3
     eager = m.with_pointwise(EAGER)
-    assert eager._attention_of(1, TARGET, False) == "sdpa"
+    assert eager._attention_of(1, TARGET) == "sdpa"
     eager.batch_invariant = True
-    assert eager._attention_of(1, TARGET, False) == "rows" and eager._attention_of(300, TARGET, True) == "rows"
+    assert eager._attention_of(1, TARGET) == "rows" and eager._attention_of(300, TARGET) == "rows"
     bf = tiny_engine("llama", seed=0, dtype=torch.bfloat16).model
-    assert bf._attention_of(1, TARGET, False) == "sdpa"  # (its ops take float32 only)
+    assert [bf._attention_of(T, TARGET) for T in (1, 4)] == ["own", "sdpa"]  # (its attention takes bfloat16 too)
 
 
 def test_a_forward_with_the_ops_is_the_eager_forwards_math():
@@ -121,7 +120,7 @@ def test_a_forward_with_the_ops_is_the_eager_forwards_math():
     for model in (own, eager):
         cache = model.new_cache(64)
         prompt = [5, 9, 17, 23, 4, 8, 31]
-        first = model.forward(cache, torch.tensor(prompt), torch.arange(7), 0, prefill=True)
+        first = model.forward(cache, torch.tensor(prompt), torch.arange(7), 0)
         cache.commit(list(range(7)))
         step = model.forward(cache, torch.tensor([12]), torch.tensor([7]), 7)
         outs.append((first, step))

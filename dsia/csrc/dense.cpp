@@ -1,5 +1,5 @@
-// A dense float32 product on the CPU (torch.ops.casspec.dense_linear): y [T, N] = x [T, K] @ w [N, K]^T (+ bias),
-// casspec's own, so that its bits do not rest on what a vendor kernel happens to do on the CPU at hand.
+// A dense float32 or bfloat16 product on the CPU (torch.ops.casspec.dense_linear): y [T, N] = x [T, K] @ w [N, K]^T
+// (+ bias), casspec's own, so that its bits do not rest on what a vendor kernel happens to do on the CPU at hand.
 //
 // Each output's sum runs in 16 lanes: lane l takes inputs k = 16 c + l for c = 0, 1, ... in order, one fused
 // multiply-add each (inputs past K are zeros), then the lanes are folded in halves (l + l+8, + 4, + 2, + 1) and the
@@ -25,9 +25,11 @@ namespace casspec {
 namespace {
 constexpr int64_t kLanes = 16;
 
+// a call's operands; the weights float32 or bfloat16 (Wt float, or uint16_t: bfloat16's bits)
+template <class Wt>
 struct Job {
   const float* x;  // [T, K]
-  const float* w;  // [N, K]
+  const Wt* w;  // [N, K]
   const float* bias;  // [N] or nullptr
   float* y;  // [T, N]
   int64_t T, K, N;
@@ -51,6 +53,15 @@ struct Vec {
   [[gnu::always_inline]] static Vec zero() { return {_mm512_setzero_ps()}; }
   [[gnu::always_inline]] static Vec load(const float* p, int64_t n) {
     return {n == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
+  }
+  [[gnu::always_inline]] static Vec load(const uint16_t* p, int64_t n) {  // bfloat16 bits, widened exactly
+    alignas(32) uint16_t t[kLanes] = {};
+    if (n < kLanes) {
+      std::memcpy(t, p, sizeof(uint16_t) * n);
+      p = t;
+    }
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
   }
   [[gnu::always_inline]] static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   [[gnu::always_inline]] void store(float* p) const { _mm512_storeu_ps(p, v); }
@@ -84,7 +95,8 @@ struct Vec {
 #include "dense_rows.h"
 // One row to 4: one output a tile, so each thread reads its weights as one stream (at the bandwidth floor); more
 // rows: 2 or 4 outputs a tile share each row's loads (29 of the 32 registers at 4 x 6).
-void range(const Job& j, int64_t a, int64_t b) {
+template <class Wt>
+void range(const Job<Wt>& j, int64_t a, int64_t b) {
   if (j.T <= 4) {
     tiles<1, 4>(j, a, b);
   } else if (j.T <= 8) {
@@ -112,6 +124,17 @@ struct Vec {
     std::memcpy(t, p, sizeof(float) * n);
     return {_mm256_load_ps(t), _mm256_load_ps(t + 8)};
   }
+  [[gnu::always_inline]] static Vec load(const uint16_t* p, int64_t n) {  // bfloat16 bits, widened exactly
+    alignas(32) uint16_t t[kLanes] = {};
+    if (n < kLanes) {
+      std::memcpy(t, p, sizeof(uint16_t) * n);
+      p = t;
+    }
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16))};
+  }
   [[gnu::always_inline]] static Vec fma(Vec a, Vec b, Vec c) {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
   }
@@ -130,7 +153,8 @@ void fold_many(const Vec* v, float* out) {
 }
 #include "dense_rows.h"
 // 16 registers: one output by 4 rows, or 2 by 2
-void range(const Job& j, int64_t a, int64_t b) {
+template <class Wt>
+void range(const Job<Wt>& j, int64_t a, int64_t b) {
   if (j.T <= 4) {
     tiles<1, 4>(j, a, b);
   } else {
@@ -151,6 +175,14 @@ struct Vec {
     std::memcpy(r.v, p, sizeof(float) * n);
     return r;
   }
+  static Vec load(const uint16_t* p, int64_t n) {  // bfloat16 bits, widened exactly
+    Vec r{};
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = uint32_t{p[i]} << 16;
+      std::memcpy(&r.v[i], &bits, sizeof(float));
+    }
+    return r;
+  }
   static Vec fma(const Vec& a, const Vec& b, const Vec& c) {
     Vec r;
     for (int64_t i = 0; i < kLanes; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
@@ -167,7 +199,8 @@ void fold_many(const Vec* v, float* out) {
   }
 }
 #include "dense_rows.h"
-void range(const Job& j, int64_t a, int64_t b) { tiles<1, 1>(j, a, b); }
+template <class Wt>
+void range(const Job<Wt>& j, int64_t a, int64_t b) { tiles<1, 1>(j, a, b); }
 }  // namespace
 }  // namespace dense_plain
 
@@ -188,41 +221,53 @@ Isa best_isa() {
 constexpr int64_t kTaskOutputs = 16;  // outputs a thread's task takes at least
 }  // namespace
 
-// x [T, K] float32, w [N, K] float32 contiguous, bias [N] or none; isa: -1 the best this CPU has, else 0 plain,
-// 1 AVX2, 2 AVX-512 (tests). -> [T, N]
+// x [T, K] and w [N, K] contiguous, both float32 or both bfloat16, bias [N] in their dtype or none; isa: -1 the best
+// this CPU has, else 0 plain, 1 AVX2, 2 AVX-512 (tests). -> [T, N] in x's dtype: bfloat16 inputs are widened exactly
+// and summed in float32 as float32 ones are, the sums rounded to bfloat16 once, at the end.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                         int64_t isa) {
-  check_tensor(x, "dense_linear x [T, K]", at::kFloat, 2);
-  check_tensor(w, "dense_linear w [N, K]", at::kFloat, 2);
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "casspec dense_linear: float32 or bfloat16 x expected, "
+              "got ", c10::toString(dtype));
+  check_tensor(x, "dense_linear x [T, K]", dtype, 2);
+  check_tensor(w, "dense_linear w [N, K] (x's dtype)", dtype, 2);
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && w.is_contiguous(), "casspec dense_linear: w [N, ", K, "] contiguous expected, got ",
               w.sizes());
   if (bias) {
-    check_tensor(*bias, "dense_linear bias [N]", at::kFloat, 1);
+    check_tensor(*bias, "dense_linear bias [N] (x's dtype)", dtype, 1);
     TORCH_CHECK(bias->size(0) == N && bias->is_contiguous(), "casspec dense_linear: bias of ", N,
-                " floats expected, got ", bias->sizes());
+                " values expected, got ", bias->sizes());
   }
   TORCH_CHECK(isa >= kAuto && isa <= best_isa(), "casspec dense_linear: isa ", isa,
               " is not one this CPU has (-1 the best, 0 plain, 1 AVX2, 2 AVX-512)");
   const Isa use = isa == kAuto ? best_isa() : static_cast<Isa>(isa);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({T, N}, x.options());
-  const Job j{xc.data_ptr<float>(), w.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
-              y.data_ptr<float>(), T, K, N};
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // (bfloat16 to float32 is exact)
+  const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
+  at::Tensor y = at::empty({T, N}, xf.options());
   const int64_t tasks = (N + kTaskOutputs - 1) / kTaskOutputs;
   const int64_t work = std::max<int64_t>(1, T * K * kTaskOutputs);  // multiply-adds of a task
   const int64_t grain = std::max<int64_t>(1, kParallelWork / work);
-  at::parallel_for(0, tasks, grain, [&](int64_t a, int64_t b) {
-    const int64_t lo = a * kTaskOutputs, hi = std::min(N, b * kTaskOutputs);
-    if (use == kAvx512) {
-      dense512::range(j, lo, hi);
-    } else if (use == kAvx2) {
-      dense256::range(j, lo, hi);
-    } else {
-      dense_plain::range(j, lo, hi);
-    }
-  });
-  return y;
+  auto run = [&](const auto& j) {
+    at::parallel_for(0, tasks, grain, [&](int64_t a, int64_t b) {
+      const int64_t lo = a * kTaskOutputs, hi = std::min(N, b * kTaskOutputs);
+      if (use == kAvx512) {
+        dense512::range(j, lo, hi);
+      } else if (use == kAvx2) {
+        dense256::range(j, lo, hi);
+      } else {
+        dense_plain::range(j, lo, hi);
+      }
+    });
+  };
+  const float* b = bf ? bf->data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat) {
+    run(Job<float>{xf.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), T, K, N});
+    return y;
+  }
+  const auto* wb = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  run(Job<uint16_t>{xf.data_ptr<float>(), wb, b, y.data_ptr<float>(), T, K, N});
+  return y.to(at::kBFloat16);
 }
 
 }  // namespace casspec

@@ -1,12 +1,12 @@
-// (included once per instruction set by dense.cpp, inside its namespace, with `Vec` defined: 16 float lanes, and
-// fold_many: 16 vectors' fold16 at once)
+// (included once per instruction set by dense.cpp, inside its namespace, with `Vec` defined: 16 float lanes, loaded
+// from float32 or from bfloat16's bits (Wt: float or uint16_t), and fold_many: 16 vectors' fold16 at once)
 // Outputs [o0, o0 + O) of rows [t0, t0 + R): lane l of output o's sum takes inputs k = 16 c + l, c = 0, 1, ... in
 // order, one fused multiply-add each (inputs past K are zeros); the lanes folded in halves; the bias added last.
 
 // one 16-input chunk (n <= 16 inputs, zeros after them) of O weight rows (stride K) into the O x R accumulators
-template <int O, int R>
-[[gnu::always_inline]] inline void step(Vec (&acc)[O][R], const float* w, const float* x, int64_t K, int64_t n,
-                                        const float* ahead) {
+template <int O, int R, class Wt>
+[[gnu::always_inline]] inline void step(Vec (&acc)[O][R], const Wt* w, const float* x, int64_t K, int64_t n,
+                                        const Wt* ahead) {
   Vec wv[O];
 #pragma GCC unroll 16
   for (int o = 0; o < O; ++o) {
@@ -28,8 +28,8 @@ template <int O, int R>
   }
 }
 
-template <int O, int R>
-[[gnu::always_inline]] inline void tile(const Job& j, int64_t o0, int64_t t0, const float* ahead) {
+template <int O, int R, class Wt>
+[[gnu::always_inline]] inline void tile(const Job<Wt>& j, int64_t o0, int64_t t0, const Wt* ahead) {
   Vec acc[O][R];
 #pragma GCC unroll 16
   for (int o = 0; o < O; ++o) {
@@ -39,13 +39,13 @@ template <int O, int R>
     }
   }
   const int64_t K = j.K, full = K / kLanes * kLanes;
-  const float* w = j.w + o0 * K;
+  const Wt* w = j.w + o0 * K;
   const float* x = j.x + t0 * K;
   for (int64_t k = 0; k < full; k += kLanes) {
     step<O, R>(acc, w + k, x + k, K, kLanes, ahead != nullptr ? ahead + k : nullptr);
   }
   if (full < K) {  // the last inputs, zeros after them
-    step<O, R>(acc, w + full, x + full, K, K - full, nullptr);
+    step<O, R>(acc, w + full, x + full, K, K - full, static_cast<const Wt*>(nullptr));
   }
   Vec flat[O * R];  // (a copy: the accumulators' own address never escapes the loop, so they stay in registers)
 #pragma GCC unroll 16
@@ -74,9 +74,9 @@ template <int O, int R>
 }
 
 // outputs [o0, o0 + O) of the last `left` rows (fewer than a tile's), from t
-template <int O, int R>
-[[gnu::always_inline]] inline void last_rows(const Job& j, int64_t o0, int64_t t, int64_t left,
-                                             const float* ahead) {
+template <int O, int R, class Wt>
+[[gnu::always_inline]] inline void last_rows(const Job<Wt>& j, int64_t o0, int64_t t, int64_t left,
+                                             const Wt* ahead) {
   if constexpr (R > 0) {
     if (left == R) {
       tile<O, R>(j, o0, t, ahead);
@@ -87,8 +87,8 @@ template <int O, int R>
 }
 
 // outputs [o0, o0 + O) of every row: R rows a tile (the outputs' weights then come from L1 for the next rows)
-template <int O, int R>
-void outputs(const Job& j, int64_t o0, const float* ahead) {
+template <int O, int R, class Wt>
+void outputs(const Job<Wt>& j, int64_t o0, const Wt* ahead) {
   int64_t t = 0;
   for (; t + R <= j.T; t += R) {
     tile<O, R>(j, o0, t, t == 0 ? ahead : nullptr);  // (the first rows' pass fetches the next outputs' weights)
@@ -98,13 +98,13 @@ void outputs(const Job& j, int64_t o0, const float* ahead) {
 
 // outputs [a, b) of every row in tiles of O outputs by R rows. The tile shape changes only which sums run side by
 // side, never one sum's order: every shape gives the same bits.
-template <int O, int R>
-void tiles(const Job& j, int64_t a, int64_t b) {
+template <int O, int R, class Wt>
+void tiles(const Job<Wt>& j, int64_t a, int64_t b) {
   int64_t o = a;
   for (; o + O <= b; o += O) {
     outputs<O, R>(j, o, o + 2 * O <= b ? j.w + (o + O) * j.K : nullptr);
   }
   for (; o < b; ++o) {
-    outputs<1, R>(j, o, nullptr);
+    outputs<1, R>(j, o, static_cast<const Wt*>(nullptr));
   }
 }

@@ -24,7 +24,7 @@ constexpr int64_t kBlocks = 2;  // GGUF-style blocks as stored (dsia/blockq.py B
 // dense kernels (DENSE_KERNELS in fastloop.py)
 constexpr int64_t kBlas = 1;  // F.linear
 constexpr int64_t kMkl = 2;  // MKL's packed sgemm (dsia/kernels.py PackedSgemm)
-constexpr int64_t kOwn = 3;  // casspec's own float32 product (dense.cpp)
+constexpr int64_t kOwn = 3;  // casspec's own float32 / bfloat16 product (dense.cpp)
 constexpr int64_t kSlots = 7;  // per layer: q (or q|k|v), k, v, o, gate (or gate|up), up, down
 
 // RMSNorm over the last dim, as dsia/model.py's rms_norm: torch's own op in float32, HF's rounding otherwise.
@@ -201,7 +201,8 @@ struct Stack : torch::CustomClassHolder {
     if (dense_kernel == kMkl) {
       return mkl_linear(x, aux[j], weights[j], b);
     }
-    if (dense_kernel == kOwn && x.scalar_type() == at::kFloat) {
+    if (dense_kernel == kOwn && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+        weights[j].scalar_type() == x.scalar_type()) {  // (casspec's own: float32 or bfloat16)
       return casspec::dense_linear(x, weights[j], b, -1);
     }
     return at::linear(x, weights[j], b);
@@ -241,7 +242,8 @@ struct Stack : torch::CustomClassHolder {
                 T, ", ", end, "] expected");
     const bool gqa = n_heads != n_kv_heads;
     const bool own = ops && x.scalar_type() == at::kFloat;  // casspec's ops run this call's norms and RoPE
-    TORCH_CHECK(!own_attention || own, "casspec Stack: its own attention takes float32 with its ops");
+    TORCH_CHECK(!own_attention || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                "casspec Stack: its own attention takes float32 or bfloat16");
     // (x + delta, its norm) as the Python loop's Pointwise.add_rms_norm, or the first layer's norm of x
     auto residual_norm = [&](const at::Tensor& delta, const at::Tensor& weight) -> std::tuple<at::Tensor, at::Tensor> {
       if (own) {

@@ -45,6 +45,15 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
   return v;
 }
 
+// the n <= 16 bfloat16 values (their bits) at p, widened exactly to float32, zeros after them
+[[gnu::always_inline]] inline v16 load(const uint16_t* p, int64_t n) {
+  i16 bits = {};
+  for (int64_t i = 0; i < n; ++i) {
+    bits[i] = static_cast<int32_t>(uint32_t{p[i]} << 16);
+  }
+  return reinterpret_cast<v16&>(bits);
+}
+
 [[gnu::always_inline]] inline void store(float* p, v16 v, int64_t n = kLanes) {
   if (n == kLanes) {
     std::memcpy(p, &v, sizeof(v));
@@ -112,9 +121,9 @@ struct Visible {
 // once for every row and head that sees it; each row's scores are kept in its own order of keys (position
 // order), so what a row gets does not depend on the rows beside it. C: the head's 16-float chunks, a constant for
 // the usual head dims (their chunks then stay in registers; 0: any hd up to 256).
-template <int64_t C>
-[[gnu::always_inline]] inline void attend_impl(const float* q, int64_t q_row, int64_t q_head, const float* keys,
-                                               int64_t k_stride, const float* values, int64_t v_stride,
+template <int64_t C, class KV>
+[[gnu::always_inline]] inline void attend_impl(const float* q, int64_t q_row, int64_t q_head, const KV* keys,
+                                               int64_t k_stride, const KV* values, int64_t v_stride,
                                                const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd,
                                                float scale, float* out, int64_t out_row) {
   constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
@@ -152,7 +161,7 @@ template <int64_t C>
     if (!any) {
       continue;
     }
-    const float* k = keys + j * k_stride;
+    const KV* k = keys + j * k_stride;
 #pragma GCC unroll 16
     for (int64_t c = 0; c < chunks; ++c) {
       part[c] = load(k + c * kLanes, width(c));
@@ -212,7 +221,7 @@ template <int64_t C>
         acc[c] = v16{};
       }
       for (int64_t i = 0; i < count[r]; ++i) {
-        const float* v = values + slots[i] * v_stride;
+        const KV* v = values + slots[i] * v_stride;
 #pragma GCC unroll 16
         for (int64_t c = 0; c < chunks; ++c) {
           acc[c] += p[i] * load(v + c * kLanes, width(c));
@@ -226,12 +235,12 @@ template <int64_t C>
   }
 }
 
-// Compiled for AVX-512, AVX2 and the baseline, picked when the library loads: the same lane-wise float operations
-// in every one (no contraction into multiply-adds), so the same bits on every machine.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend(const float* q, int64_t q_row, int64_t q_head, const float* keys, int64_t k_stride, const float* values,
-            int64_t v_stride, const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale,
-            float* out, int64_t out_row) {
+// hd's chunks as a constant for the usual head dims
+template <class KV>
+[[gnu::always_inline]] inline void attend_hd(const float* q, int64_t q_row, int64_t q_head, const KV* keys,
+                                             int64_t k_stride, const KV* values, int64_t v_stride, const Visible& seen,
+                                             int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float* out,
+                                             int64_t out_row) {
   switch (hd) {
     case 64:
       return attend_impl<4>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
@@ -243,6 +252,23 @@ void attend(const float* q, int64_t q_row, int64_t q_head, const float* keys, in
       return attend_impl<0>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
                             out_row);
   }
+}
+
+// Compiled for AVX-512, AVX2 and the baseline, picked when the library loads: the same lane-wise float operations
+// in every one (no contraction into multiply-adds), so the same bits on every machine. Keys and values float32, or
+// bfloat16 (their bits: widened exactly, then the same float32 operations).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend(const float* q, int64_t q_row, int64_t q_head, const float* keys, int64_t k_stride, const float* values,
+            int64_t v_stride, const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale,
+            float* out, int64_t out_row) {
+  attend_hd(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out, out_row);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend(const float* q, int64_t q_row, int64_t q_head, const uint16_t* keys, int64_t k_stride,
+            const uint16_t* values, int64_t v_stride, const Visible& seen, int64_t r0, int64_t r1, int64_t G,
+            int64_t hd, float scale, float* out, int64_t out_row) {
+  attend_hd(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out, out_row);
 }
 
 // x [T, D]: float32 rows on the CPU, each read with unit stride
@@ -322,9 +348,12 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t end,
                      const std::optional<at::Tensor>& mask, double scale) {
-  check_tensor(q, "attention q [H, T, hd]", at::kFloat, 3);
-  check_tensor(keys, "attention keys [Hkv, S, hd]", at::kFloat, 3);
-  check_tensor(values, "attention values [Hkv, S, hd]", at::kFloat, 3);
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "casspec attention: float32 or bfloat16 q expected, got ",
+              c10::toString(dtype));
+  check_tensor(q, "attention q [H, T, hd]", dtype, 3);
+  check_tensor(keys, "attention keys [Hkv, S, hd] (q's dtype)", dtype, 3);
+  check_tensor(values, "attention values [Hkv, S, hd] (q's dtype)", dtype, 3);
   const int64_t H = q.size(0), T = q.size(1), hd = q.size(2), Hkv = keys.size(0);
   TORCH_CHECK(H >= 1 && Hkv >= 1 && H % Hkv == 0, "casspec attention: ", H, " query heads over ", Hkv,
               " KV heads (at least one each, the query heads a multiple of the KV heads)");
@@ -349,7 +378,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
                   "casspec attention: query row ", t, " of the mask sees no key");
     }
   }
-  at::Tensor out = at::empty({T, H * hd}, q.options());  // [T, H*hd]: the output projection's input
+  const at::Tensor qf = q.to(at::kFloat);  // (bfloat16 to float32 is exact; a float32 q is itself)
+  at::Tensor out = at::empty({T, H * hd}, qf.options());  // [T, H*hd]: the output projection's input
   const int64_t G = H / Hkv;
   const Visible seen{m.defined() ? m.data_ptr<bool>() : nullptr, T, end};
   const int64_t blocks = (T + kRowBlock - 1) / kRowBlock, items = Hkv * blocks;  // (KV head, block of rows)
@@ -358,14 +388,22 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t stop) {
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t g = item % Hkv, r0 = item / Hkv * kRowBlock;
-      attend(q.data_ptr<float>() + g * G * q.stride(0), q.stride(1), q.stride(0),
-             keys.data_ptr<float>() + g * keys.stride(0), keys.stride(1),
-             values.data_ptr<float>() + g * values.stride(0), values.stride(1), seen, r0,
-             std::min(T, r0 + kRowBlock), G, hd, static_cast<float>(scale), out.data_ptr<float>() + g * G * hd,
-             H * hd);
+      const float* qg = qf.data_ptr<float>() + g * G * qf.stride(0);
+      const int64_t r1 = std::min(T, r0 + kRowBlock);
+      float* o = out.data_ptr<float>() + g * G * hd;
+      if (dtype == at::kFloat) {
+        attend(qg, qf.stride(1), qf.stride(0), keys.data_ptr<float>() + g * keys.stride(0), keys.stride(1),
+               values.data_ptr<float>() + g * values.stride(0), values.stride(1), seen, r0, r1, G, hd,
+               static_cast<float>(scale), o, H * hd);
+      } else {
+        attend(qg, qf.stride(1), qf.stride(0),
+               reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()) + g * keys.stride(0), keys.stride(1),
+               reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()) + g * values.stride(0),
+               values.stride(1), seen, r0, r1, G, hd, static_cast<float>(scale), o, H * hd);
+      }
     }
   });
-  return out;
+  return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 }  // namespace casspec

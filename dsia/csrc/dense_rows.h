@@ -91,7 +91,7 @@ template <int O, int R, class Wt>
 void outputs(const Job<Wt>& j, int64_t o0, const Wt* ahead) {
   int64_t t = 0;
   for (; t + R <= j.T; t += R) {
-    tile<O, R>(j, o0, t, t == 0 ? ahead : nullptr);  // (the first rows' pass fetches the next outputs' weights)
+    tile<O, R>(j, o0, t, t == 0 ? ahead : nullptr);  // (the first rows' pass prefetches weights ahead)
   }
   last_rows<O, R - 1>(j, o0, t, j.T - t, t == 0 ? ahead : nullptr);
 }
@@ -100,9 +100,11 @@ void outputs(const Job<Wt>& j, int64_t o0, const Wt* ahead) {
 // side, never one sum's order: every shape gives the same bits.
 template <int O, int R, class Wt>
 void tiles(const Job<Wt>& j, int64_t a, int64_t b) {
+  const int64_t tile_bytes = O * j.K * static_cast<int64_t>(sizeof(Wt));  // the weights of one tile of outputs
+  const int64_t ahead = std::max<int64_t>(1, (kAheadBytes + tile_bytes - 1) / tile_bytes);  // tiles ahead
   int64_t o = a;
   for (; o + O <= b; o += O) {
-    outputs<O, R>(j, o, o + 2 * O <= b ? j.w + (o + O) * j.K : nullptr);
+    outputs<O, R>(j, o, o + (ahead + 1) * O <= b ? j.w + (o + ahead * O) * j.K : nullptr);
   }
   for (; o < b; ++o) {
     outputs<1, R>(j, o, static_cast<const Wt*>(nullptr));

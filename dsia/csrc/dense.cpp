@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "ops.h"
 
@@ -27,15 +28,33 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kAheadBytes = 8192;  // a tile's first rows prefetch the weights this far ahead (the tile's own at
 // one output a tile were too near: 1.2x the bandwidth floor in float32 against 1.3x, bfloat16 1.2x against 1.5x)
 
-// a call's operands; the weights float32 or bfloat16 (Wt float, or uint16_t: bfloat16's bits)
+// a call's operands, all float32 or all bfloat16 (Wt float, or uint16_t: bfloat16's bits)
 template <class Wt>
 struct Job {
-  const float* x;  // [T, K]
+  const Wt* x;  // [T, K]
   const Wt* w;  // [N, K]
-  const float* bias;  // [N] or nullptr
-  float* y;  // [T, N]
+  const Wt* bias;  // [N] or nullptr
+  Wt* y;  // [T, N]
   int64_t T, K, N;
 };
+
+// a value as float32 (bfloat16's bits widened exactly), and a float32 sum in the output's type (bfloat16: rounded to
+// nearest even, as torch rounds)
+inline float widen(float v) { return v; }
+inline float widen(uint16_t bits) {
+  const uint32_t u = uint32_t{bits} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+template <class Wt>
+inline Wt narrow(float v) {
+  if constexpr (std::is_same_v<Wt, float>) {
+    return v;
+  } else {
+    return c10::BFloat16(v).x;
+  }
+}
 
 // the 16 lanes' sum, folded in halves (lane i + lane i + 8, then + 4, + 2, + 1): the same order in every path
 inline float fold16(const float* v) {
@@ -244,9 +263,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(isa >= kAuto && isa <= best_isa(), "casspec dense_linear: isa ", isa,
               " is not one this CPU has (-1 the best, 0 plain, 1 AVX2, 2 AVX-512)");
   const Isa use = isa == kAuto ? best_isa() : static_cast<Isa>(isa);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // (bfloat16 to float32 is exact)
-  const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
-  at::Tensor y = at::empty({T, N}, xf.options());
+  const at::Tensor xc = x.contiguous();
+  const std::optional<at::Tensor> bc = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  at::Tensor y = at::empty({T, N}, xc.options());
   const int64_t tasks = (N + kTaskOutputs - 1) / kTaskOutputs;
   const int64_t work = std::max<int64_t>(1, T * K * kTaskOutputs);  // multiply-adds of a task
   const int64_t grain = std::max<int64_t>(1, kParallelWork / work);
@@ -262,14 +281,14 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
       }
     });
   };
-  const float* b = bf ? bf->data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) {
-    run(Job<float>{xf.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), T, K, N});
-    return y;
+    run(Job<float>{xc.data_ptr<float>(), w.data_ptr<float>(), bc ? bc->data_ptr<float>() : nullptr,
+                   y.data_ptr<float>(), T, K, N});
+  } else {
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    run(Job<uint16_t>{bits(xc), bits(w), bc ? bits(*bc) : nullptr, bits(y), T, K, N});
   }
-  const auto* wb = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  run(Job<uint16_t>{xf.data_ptr<float>(), wb, b, y.data_ptr<float>(), T, K, N});
-  return y.to(at::kBFloat16);
+  return y;
 }
 
 }  // namespace casspec

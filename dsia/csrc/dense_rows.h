@@ -1,11 +1,12 @@
 // (included once per instruction set by dense.cpp, inside its namespace, with `Vec` defined: 16 float lanes, loaded
-// from float32 or from bfloat16's bits (Wt: float or uint16_t), and fold_many: 16 vectors' fold16 at once)
+// from float32 or from bfloat16's bits (Wt: float or uint16_t, the inputs' and the output's type), and fold_many: 16
+// vectors' fold16 at once)
 // Outputs [o0, o0 + O) of rows [t0, t0 + R): lane l of output o's sum takes inputs k = 16 c + l, c = 0, 1, ... in
 // order, one fused multiply-add each (inputs past K are zeros); the lanes folded in halves; the bias added last.
 
 // one 16-input chunk (n <= 16 inputs, zeros after them) of O weight rows (stride K) into the O x R accumulators
 template <int O, int R, class Wt>
-[[gnu::always_inline]] inline void step(Vec (&acc)[O][R], const Wt* w, const float* x, int64_t K, int64_t n,
+[[gnu::always_inline]] inline void step(Vec (&acc)[O][R], const Wt* w, const Wt* x, int64_t K, int64_t n,
                                         const Wt* ahead) {
   Vec wv[O];
 #pragma GCC unroll 16
@@ -40,7 +41,7 @@ template <int O, int R, class Wt>
   }
   const int64_t K = j.K, full = K / kLanes * kLanes;
   const Wt* w = j.w + o0 * K;
-  const float* x = j.x + t0 * K;
+  const Wt* x = j.x + t0 * K;
   for (int64_t k = 0; k < full; k += kLanes) {
     step<O, R>(acc, w + k, x + k, K, kLanes, ahead != nullptr ? ahead + k : nullptr);
   }
@@ -68,7 +69,7 @@ template <int O, int R, class Wt>
   for (int r = 0; r < R; ++r) {
     for (int o = 0; o < O; ++o) {
       const float sum = sums[o * R + r];
-      j.y[(t0 + r) * j.N + o0 + o] = j.bias != nullptr ? sum + j.bias[o0 + o] : sum;
+      j.y[(t0 + r) * j.N + o0 + o] = narrow<Wt>(j.bias != nullptr ? sum + widen(j.bias[o0 + o]) : sum);
     }
   }
 }

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from dsia.cxx import check_isa_env
 from dsia.errors import CasspecError
 from dsia.kernels import KERNELS
 from dsia.levels import LevelConfig
@@ -375,6 +376,7 @@ COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "l
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_isa_env()  # (before any slow step)
         return COMMANDS[args.command](args)
     except CasspecError as e:
         print(f"casspec: error: {e}", file=sys.stderr)

@@ -5,16 +5,29 @@ compiler, no ninja), `build_error` says why, once, and every caller runs torch's
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
+from .errors import CasspecError
+
+ISAS = ("plain", "avx2", "avx512")  # what the environment's CASSPEC_ISA may name: the widest path the ops run (ops.h)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "ops.cpp", "blockq.cpp", "dense.cpp")]
 EXTENSION = "casspec_layers"  # the built library's name
+
+
+def check_isa_env() -> None:
+    """A CasspecError (one line) where CASSPEC_ISA names no path the library has."""
+    name = os.environ.get("CASSPEC_ISA", "")
+    if name and name not in ISAS:
+        raise CasspecError(f"CASSPEC_ISA={name} is not an instruction set casspec has paths for: use plain, avx2 or "
+                           "avx512, or unset it")
 
 
 @functools.cache
 def build_error() -> str | None:
     """Build (or load the cached build of) the library once per process: None when torch.ops.casspec and
-    torch.classes.casspec hold it, else why not."""
+    torch.classes.casspec hold it, else why not. A bad CASSPEC_ISA is a CasspecError."""
+    check_isa_env()
     try:
         from torch.utils.cpp_extension import load
         # -ffp-contract=off: no multiply-add is fused where the source has a product and a sum, so ops.cpp's RoPE

@@ -403,7 +403,9 @@ def _profile_header(path: Path) -> dict | None:
 def select_profile(machine: dict, model: str, dtype: str, kernels: str | None = None,
                    folder: str | Path | None = None) -> Path | None:
     """The newest profile in `folder` measured on this CPU model and GPU, for this model and dtype, with these
-    dense kernels (a profile that does not record its kernels matches any), else None. A file that is not a
+    dense kernels (`Engine.build`; a profile that does not record them predates casspec's own kernels and matches
+    none: its forwards ran 1.3-3x slower than today's on the AMD EPYC, and a router steered by it drafted too little),
+    else None. A file that is not a
     profile, or a matching one whose predictor is malformed, is skipped with one warning line."""
     folder = Path(folder) if folder is not None else default_profiles()
     best: tuple[str, Path] | None = None
@@ -414,7 +416,7 @@ def select_profile(machine: dict, model: str, dtype: str, kernels: str | None = 
         m = prof["machine"]
         ok = (prof.get("version") == PROFILE_VERSION and m.get("cpu") == machine.get("cpu")
               and m.get("gpu") == machine.get("gpu") and prof["model"] == model and prof["dtype"] == dtype
-              and prof.get("kernels") in (None, kernels))
+              and prof.get("kernels") == kernels)
         if ok and read_predictor(prof) is None:
             warn(f"skipping the latency profile {path}: its predictor is missing or malformed; measure it again "
                  "with casspec profile")

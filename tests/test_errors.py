@@ -166,7 +166,7 @@ def test_a_corrupt_committed_profile_of_this_machine_is_skipped_with_one_warning
 
     machine = machine_info("cpu")
     header = {"version": PROFILE_VERSION, "created": "2099-01-01", "machine": machine, "model": "tiny-llama",
-              "dtype": "float32"}
+              "dtype": "float32", "kernels": tiny_engine("llama", 0).build}  # (a profile matches its own build only)
     text = json.dumps({**header, "predictor": {"spec": {}, "levels": {}}})  # no "online": from_json's KeyError
     (tmp_path / "a-broken-predictor.json").write_text(text)
     (tmp_path / "b-truncated.json").write_text(text[: len(text) // 2])

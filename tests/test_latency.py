@@ -83,7 +83,9 @@ def test_only_a_profile_of_this_machine_model_and_dtype_is_used(tmp_path):
     _write(tmp_path, "other_kernels.json", here, created="2027-01-01", kernels="mkl (T 1+)")
     (tmp_path / "broken.json").write_text("{not json")
     assert select_profile(here, "m", "float32", "blas (T 1+)", tmp_path) is None
-    _write(tmp_path, "mine.json", here)  # (records no kernels: one made before they were chosen, matches any)
+    _write(tmp_path, "stale.json", here, created="2027-02-01")  # (records no kernels: made before casspec's own)
+    assert select_profile(here, "m", "float32", "blas (T 1+)", tmp_path) is None  # (it matches no kernels)
+    _write(tmp_path, "mine.json", here, kernels="blas (T 1+)")
     assert select_profile(here, "m", "float32", "blas (T 1+)", tmp_path).name == "mine.json"
     assert select_profile(here, "m", "float32", "mkl (T 1+)", tmp_path).name == "other_kernels.json"
     assert LatencyModel.from_json(json.loads((tmp_path / "mine.json").read_text())["predictor"]).known(TARGET_LEVEL)

@@ -28,7 +28,6 @@ constexpr int64_t kTile = 16;  // outputs per tile, one per float lane
 constexpr int64_t kGroups = kBlock / 4;  // groups of 4 inputs per block (a 32-bit lane's 4 bytes)
 constexpr int kRowTile = 4;  // rows that share each unpacked block (the switch in CASSPEC_RANGE goes to 3)
 
-enum Isa : int64_t { kAuto = -1, kPlain = 0, kAvx2 = 1, kVnni = 2 };
 
 // A call's operands. codes per (tile, block): 8-bit: 8 groups x 16 outputs x 4 bytes, each code + 128 (0..255);
 // 4-bit: 4 x 16 x 4 bytes, group g in the low nibbles and group g + 4 in the high ones. d, m: [tiles, blocks, 16].
@@ -237,14 +236,16 @@ CASSPEC_RANGE(range_vnni, __attribute__((target(CASSPEC_VNNI))), rows_vnni)
 #undef CASSPEC_RANGE
 static_assert(kRowTile == 4, "CASSPEC_RANGE's switch takes the last 1-3 rows");
 
-Isa best_isa() {
+// the block product's widest path here (ops.h machine_isa): its AVX-512 path needs VNNI, BW and VL besides (else AVX2)
+Isa block_isa() {
   static const Isa isa = [] {
+    const Isa cap = machine_isa();
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+    if (cap == kAvx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl")) {
-      return kVnni;
+      return kAvx512;
     }
-    return __builtin_cpu_supports("avx2") ? kAvx2 : kPlain;
+    return cap >= kAvx2 ? kAvx2 : kPlain;
   }();
   return isa;
 }
@@ -295,7 +296,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(tiles >= 1 && n >= 1 && n <= kTile * tiles && n > kTile * (tiles - 1), "casspec block_linear: ", n,
               " outputs do not fill the last of ", tiles, " tiles of 16");
   TORCH_CHECK(K == kBlock * blocks, "casspec block_linear: x has ", K, " inputs, the codes ", kBlock * blocks);
-  TORCH_CHECK(isa >= kAuto && isa <= best_isa(), "casspec block_linear: isa ", isa,
+  TORCH_CHECK(isa >= kAuto && isa <= block_isa(), "casspec block_linear: isa ", isa,
               " is not one this CPU has (-1 the best, 0 plain, 1 AVX2, 2 AVX-512 VNNI)");
   const at::Tensor xc = x.contiguous();
   at::Tensor xq = at::empty({T, K}, x.options().dtype(at::kChar));
@@ -308,10 +309,10 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
                scales.size(0) == 2 ? scales.data_ptr<float>() + tiles * blocks * kTile : nullptr,
                xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), xsum.data_ptr<int32_t>(),
                out.data_ptr<float>(), n, T, K, blocks};
-  const Isa use = isa == kAuto ? best_isa() : static_cast<Isa>(isa);
+  const Isa use = isa == kAuto ? block_isa() : static_cast<Isa>(isa);
   const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, T * K * kTile));
   at::parallel_for(0, tiles, grain, [&](int64_t tile0, int64_t tile1) {
-    if (use == kVnni) {
+    if (use == kAvx512) {
       range_vnni(c, tile0, tile1);
     } else if (use == kAvx2) {
       range_avx2(c, tile0, tile1);

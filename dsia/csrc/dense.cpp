@@ -226,19 +226,6 @@ void range(const Job<Wt>& j, int64_t a, int64_t b) { tiles<1, 1>(j, a, b); }
 }  // namespace dense_plain
 
 namespace {
-enum Isa : int64_t { kAuto = -1, kPlain = 0, kAvx2 = 1, kAvx512 = 2 };
-
-Isa best_isa() {
-  static const Isa isa = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) {
-      return kAvx512;
-    }
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kAvx2 : kPlain;
-  }();
-  return isa;
-}
-
 constexpr int64_t kTaskOutputs = 16;  // outputs a thread's task takes at least
 }  // namespace
 
@@ -260,9 +247,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
     TORCH_CHECK(bias->size(0) == N && bias->is_contiguous(), "casspec dense_linear: bias of ", N,
                 " values expected, got ", bias->sizes());
   }
-  TORCH_CHECK(isa >= kAuto && isa <= best_isa(), "casspec dense_linear: isa ", isa,
+  TORCH_CHECK(isa >= kAuto && isa <= machine_isa(), "casspec dense_linear: isa ", isa,
               " is not one this CPU has (-1 the best, 0 plain, 1 AVX2, 2 AVX-512)");
-  const Isa use = isa == kAuto ? best_isa() : static_cast<Isa>(isa);
+  const Isa use = isa == kAuto ? machine_isa() : static_cast<Isa>(isa);
   const at::Tensor xc = x.contiguous();
   const std::optional<at::Tensor> bc = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   at::Tensor y = at::empty({T, N}, xc.options());

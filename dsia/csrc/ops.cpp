@@ -15,8 +15,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace casspec {
@@ -254,22 +256,39 @@ template <class KV>
   }
 }
 
-// Compiled for AVX-512, AVX2 and the baseline, picked when the library loads: the same lane-wise float operations
-// in every one (no contraction into multiply-adds), so the same bits on every machine. Keys and values float32, or
+// Compiled for AVX-512, AVX2 and the baseline, one picked by machine_isa(): the same lane-wise float operations in
+// every one (no contraction into multiply-adds), so the same bits on every machine. Keys and values float32, or
 // bfloat16 (their bits: widened exactly, then the same float32 operations).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend(const float* q, int64_t q_row, int64_t q_head, const float* keys, int64_t k_stride, const float* values,
-            int64_t v_stride, const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale,
-            float* out, int64_t out_row) {
-  attend_hd(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out, out_row);
+#define CASSPEC_ATTEND_ARGS                                                                                       \
+  const float *q, int64_t q_row, int64_t q_head, const KV *keys, int64_t k_stride, const KV *values,              \
+      int64_t v_stride, const Visible &seen, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float *out, \
+      int64_t out_row
+#define CASSPEC_ATTEND_CALL q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out, out_row
+template <class KV>
+__attribute__((target("avx512f"))) void attend_avx512(CASSPEC_ATTEND_ARGS) {
+  attend_hd(CASSPEC_ATTEND_CALL);
 }
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend(const float* q, int64_t q_row, int64_t q_head, const uint16_t* keys, int64_t k_stride,
-            const uint16_t* values, int64_t v_stride, const Visible& seen, int64_t r0, int64_t r1, int64_t G,
-            int64_t hd, float scale, float* out, int64_t out_row) {
-  attend_hd(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out, out_row);
+template <class KV>
+__attribute__((target("avx2"))) void attend_avx2(CASSPEC_ATTEND_ARGS) {
+  attend_hd(CASSPEC_ATTEND_CALL);
 }
+template <class KV>
+void attend_plain(CASSPEC_ATTEND_ARGS) {
+  attend_hd(CASSPEC_ATTEND_CALL);
+}
+template <class KV>
+void attend(CASSPEC_ATTEND_ARGS) {
+  static const Isa isa = machine_isa();
+  if (isa == kAvx512) {
+    attend_avx512(CASSPEC_ATTEND_CALL);
+  } else if (isa == kAvx2) {
+    attend_avx2(CASSPEC_ATTEND_CALL);
+  } else {
+    attend_plain(CASSPEC_ATTEND_CALL);
+  }
+}
+#undef CASSPEC_ATTEND_ARGS
+#undef CASSPEC_ATTEND_CALL
 
 // x [T, D]: float32 rows on the CPU, each read with unit stride
 void check_rows(const at::Tensor& x, const char* what) {
@@ -285,6 +304,27 @@ void check_norm(const at::Tensor& weight, int64_t D, double eps, const char* wha
 }
 
 }  // namespace
+
+Isa machine_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    Isa best = kPlain;
+    if (__builtin_cpu_supports("avx512f")) {
+      best = kAvx512;
+    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      best = kAvx2;
+    }
+    const char* cap = std::getenv("CASSPEC_ISA");
+    if (cap == nullptr || *cap == '\0') {
+      return best;
+    }
+    const std::string name(cap);
+    TORCH_CHECK(name == "plain" || name == "avx2" || name == "avx512", "CASSPEC_ISA=", name,
+                " is not an instruction set casspec has paths for: use plain, avx2 or avx512, or unset it");
+    return std::min(best, name == "plain" ? kPlain : name == "avx2" ? kAvx2 : kAvx512);
+  }();
+  return isa;
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm x");

@@ -10,6 +10,12 @@
 namespace casspec {
 
 constexpr int64_t kMaxHeadDim = 256;  // the widest attention head the ops take (16 chunks of 16 floats)
+// The instruction sets the ops have paths for, each path the same bits as the others (ISA: -1 the widest this CPU
+// runs). machine_isa(): that widest path (AVX-512: avx512f; AVX2: avx2 and fma), capped by the environment's
+// CASSPEC_ISA (plain | avx2 | avx512) where it is set, so any machine can run the plain path (tests, CI).
+enum Isa : int64_t { kAuto = -1, kPlain = 0, kAvx2 = 1, kAvx512 = 2 };
+Isa machine_isa();
+
 constexpr int64_t kParallelWork = 1 << 18;  // an attention or a block product of more multiply-adds than this runs
                                             // on every thread (fewer: waking the other costs more)
 

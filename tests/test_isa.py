@@ -1,0 +1,80 @@
+"""Every instruction-set path of casspec's C++ ops gives the bits of every other, end to end: whole forwards run in a
+child process held to the plain path (CASSPEC_ISA=plain) give this machine's widest path's logits bit for bit (a
+second child with the variable unset), for a float32 target, a batch-invariant bfloat16 one, and GGUF blocks as
+stored. Both children run torch's own kernels alike (its CPU dispatch is left as it is), so a difference is
+casspec's. This is the plain-path run of the suite on every machine, CI's included."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsia.cxx import build_error
+
+pytestmark = pytest.mark.skipif(build_error() is not None, reason=f"the C++ library did not build: {build_error()}")
+
+HERE = Path(__file__).parent
+PROMPT = [5, 9, 17, 23, 4, 8, 31, 12, 40, 3, 77, 6]
+TREE = [-1, 0, 0, 1, 2, 2, 4]  # a verification's parents
+
+
+@torch.inference_mode()
+def outputs() -> dict[str, torch.Tensor]:
+    """Logits of a prefill, a tree's verification and one-token steps of tiny float32 and bfloat16 targets on
+    casspec's products and ops, and block products of every kind over 1-9 rows."""
+    from dsia.blockq import BlockLinear
+    from dytc.tree import ancestor_mask, position_ids
+    from tiny import tiny_engine
+
+    out: dict[str, torch.Tensor] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        e = tiny_engine("llama", 2, dtype=dtype, kernels="casspec", batch_invariant=dtype == torch.bfloat16)
+        m, cache, L = e.model, e.cache, len(PROMPT)
+        out[f"{dtype} prefill"] = m.forward(cache, torch.tensor(PROMPT), torch.arange(L), 0)
+        cache.commit(list(range(L)))
+        tokens = torch.tensor([3, 14, 15, 92, 65, 35, 89])
+        out[f"{dtype} tree"] = m.forward(cache, tokens, position_ids(TREE, L, m.device), L, ancestor_mask(TREE))
+        steps = []
+        for tok in (3, 14, 15, 92):
+            steps.append(m.forward(cache, torch.tensor([tok]), torch.tensor([cache.length]), cache.length))
+            cache.commit([0])
+        out[f"{dtype} steps"] = torch.cat(steps)
+    gen = torch.Generator().manual_seed(0)
+    for bits, offsets in ((4, True), (4, False), (8, False)):
+        q = torch.randint(0, 16, (40, 96), generator=gen) if bits == 4 else torch.randint(-128, 128, (40, 96),
+                                                                                          generator=gen)
+        d = torch.rand(40, 3, generator=gen)
+        k = BlockLinear(q, d, torch.randn(40, 3, generator=gen) if offsets else None, bits)
+        out[f"blocks {bits} {offsets}"] = torch.cat([k(torch.randn(T, 96, generator=gen)) for T in range(1, 10)])
+    return out
+
+
+def run_child(tmp_path: Path, isa: str | None) -> dict[str, torch.Tensor]:
+    env = {k: v for k, v in os.environ.items() if k != "CASSPEC_ISA"}
+    if isa is not None:
+        env["CASSPEC_ISA"] = isa
+    path = tmp_path / f"out-{isa}.pt"
+    code = f"import torch, test_isa; torch.save(test_isa.outputs(), {str(path)!r})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(path)
+
+
+def test_the_plain_path_gives_the_widest_paths_bits(tmp_path):
+    widest, plain = run_child(tmp_path, None), run_child(tmp_path, "plain")
+    assert widest.keys() == plain.keys() and len(widest) == 9
+    for name in widest:
+        assert torch.equal(widest[name], plain[name]), name
+
+
+def test_a_bad_isa_name_is_one_clear_error(tmp_path):
+    env = dict(os.environ, CASSPEC_ISA="sse9")
+    done = subprocess.run([sys.executable, "-m", "casspec", "generate", "hi", "--max-new-tokens", "2"],
+                          cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "CASSPEC_ISA=sse9" in done.stderr and "plain, avx2 or avx512" in done.stderr

@@ -26,6 +26,8 @@ namespace {
 constexpr int64_t kBlock = 32;  // weights per block
 constexpr int64_t kTile = 16;  // outputs per tile, one per float lane
 constexpr int64_t kGroups = kBlock / 4;  // groups of 4 inputs per block (a 32-bit lane's 4 bytes)
+constexpr int64_t kAheadBytes = 8192;  // how far ahead in the codes (and as many blocks ahead in the scales) a tile's
+// loop prefetches: the native SmolLM2 step's 121 products took 3.3-3.4 ms with it against 3.5-4.0 without (AMD EPYC)
 constexpr int kRowTile = 4;  // rows that share each unpacked block (the switch in CASSPEC_RANGE goes to 3)
 
 
@@ -46,6 +48,19 @@ struct Call {
 };
 
 inline int64_t code_bytes(const Call& c) { return c.eight ? kGroups * kTile * 4 : kGroups / 2 * kTile * 4; }
+
+// prefetch the codes and scales kAheadBytes of codes past block b of `tile` (tiles lie one after another, so past a
+// tile's last block come the next tile's first; a prefetch past the end reads nothing and faults nothing)
+[[gnu::always_inline]] inline void prefetch_ahead(const Call& c, int64_t tile, int64_t b) {
+  const int64_t bytes = code_bytes(c), blocks = kAheadBytes / bytes, at = tile * c.blocks + b + blocks;
+  for (int64_t line = 0; line < bytes; line += 64) {
+    __builtin_prefetch(c.codes + at * bytes + line, 0, 3);
+  }
+  __builtin_prefetch(c.d + at * kTile, 0, 3);
+  if (c.m != nullptr) {
+    __builtin_prefetch(c.m + at * kTile, 0, 3);
+  }
+}
 
 // the 8-bit code of output lane `lane`, input 4 g + j of block b of tile `tile` (signed), plain
 inline int32_t code_plain(const Call& c, int64_t tile, int64_t b, int64_t g, int64_t lane, int64_t j) {
@@ -97,6 +112,7 @@ __attribute__((target("avx2"), always_inline)) inline void rows_avx2(const Call&
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(-128);
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* wb = c.codes + (tile * c.blocks + b) * code_bytes(c);
+    prefetch_ahead(c, tile, b);
 #pragma GCC unroll 8
     for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
       __m256i w[kGroups];
@@ -158,6 +174,7 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* wb = c.codes + (tile * c.blocks + b) * code_bytes(c);
+    prefetch_ahead(c, tile, b);
     __m512i w[kGroups];  // u8: the code + 128 (8-bit), or the code (4-bit)
     if (c.eight) {
 #pragma GCC unroll 8

@@ -50,9 +50,12 @@ struct Call {
 inline int64_t code_bytes(const Call& c) { return c.eight ? kGroups * kTile * 4 : kGroups / 2 * kTile * 4; }
 
 // prefetch the codes and scales kAheadBytes of codes past block b of `tile` (tiles lie one after another, so past a
-// tile's last block come the next tile's first; a prefetch past the end reads nothing and faults nothing)
+// tile's last block come the next tile's first), where that lies within the weight
 [[gnu::always_inline]] inline void prefetch_ahead(const Call& c, int64_t tile, int64_t b) {
   const int64_t bytes = code_bytes(c), blocks = kAheadBytes / bytes, at = tile * c.blocks + b + blocks;
+  if (at >= (c.N + kTile - 1) / kTile * c.blocks) {
+    return;
+  }
   for (int64_t line = 0; line < bytes; line += 64) {
     __builtin_prefetch(c.codes + at * bytes + line, 0, 3);
   }

@@ -21,7 +21,7 @@ def test_wheel_ships_profiles_and_an_installed_casspec_finds_them(tmp_path):
     probe = ("import json, casspec, dytc.latency as L; d = L.default_profiles(); "
              "p = json.loads(sorted(d.glob('*.json'))[0].read_text()); "
              "print(d); print(casspec.__version__); "
-             "print(L.select_profile(p['machine'], p['model'], p['dtype']))")
+             "print(L.select_profile(p['machine'], p['model'], p['dtype'], p['kernels']))")
     # -I: isolated (no cwd, no user site, no PYTHONPATH), so only the installed copy can answer
     out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"],
                          check=True, capture_output=True, text=True, cwd=tmp_path).stdout.splitlines()

@@ -143,7 +143,8 @@ def layer_stack(model: Transformer, plan: Plan) -> LayerStack | None:
         slots = [slot for i in range(s.n_layers) for slot in _layer_slots(model, plan, i)]
     except Unsupported:
         return None
-    if model.batch_invariant and plan.is_target and any(slot.kind == DENSE for slot in slots):
+    if (model.batch_invariant and plan.is_target and any(slot.kind == DENSE for slot in slots)
+            and not model.dense_row_invariant()):
         return None  # (its dense products run over padded rows: invariant_linear, in the Python loop)
     acts = {slot.act_dtype for slot in slots if slot.kind == PACKED}
     if len(acts) > 1:

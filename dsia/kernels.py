@@ -144,6 +144,12 @@ class DenseKernels:
         name = kernel_for(self, x.shape[0], x.dtype, x.device) if x.dim() == 2 else "blas"
         return KERNELS[name](x, w, b)
 
+    @property
+    def row_invariant(self) -> bool:
+        """Whether every product runs casspec's own kernel, whose rows are the same bits whatever the row count (by
+        construction: the batch-invariant mode then needs no padding). A dtype it does not take goes to BLAS."""
+        return all(name == "casspec" for name in self.names)
+
     def prepare(self, weights: list[Tensor]) -> None:
         """Pack ahead the weights a chosen kernel keeps in its own layout (set-up time, not the first step's), and
         free the packed copies of those no chosen kernel reads (e.g. packed while measuring)."""

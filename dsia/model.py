@@ -20,7 +20,7 @@ from torch import Tensor
 from .errors import CasspecError
 from .invariant import (BLOCK, RowKeys, block_attention, check_supported, invariant_linear, row_keys,
                         rows_independent)
-from .kernels import DenseFn, DenseKernels
+from .kernels import CPU_DTYPES, DenseFn, DenseKernels
 from .kvcache import KVCache
 from .plan import TARGET, Plan
 from .spec import DEFAULT_CONTEXT, ModelSpec
@@ -491,10 +491,16 @@ class Transformer:
 
     def _dense(self, plan: Plan) -> DenseFn:
         """The kernel of the plan's dense products: the target's; in the batch-invariant mode, for a target forward,
-        over enough rows that every row's result is the same whatever their number (`invariant_linear`)."""
-        if self.batch_invariant and plan.is_target:
+        over enough rows that every row's result is the same whatever their number (`invariant_linear`), unless
+        its kernel is row-invariant by construction (casspec's own, in a dtype it takes)."""
+        if self.batch_invariant and plan.is_target and not self.dense_row_invariant():
             return functools.partial(invariant_linear, self.dense)
         return self.dense
+
+    def dense_row_invariant(self) -> bool:
+        """Whether every dense product of a target forward runs a kernel whose rows do not depend on the row count."""
+        return (getattr(self.dense, "row_invariant", False) and self.device.type == "cpu"
+                and self.dtype in CPU_DTYPES["casspec"])
 
     def linear_kernel(self, i: int, name: str, plan: Plan) -> Callable[[Tensor], Tensor] | None:
         """The kernel that runs projection `name` of layer i: the plan's, else the target's native one; None: the

@@ -199,6 +199,25 @@ def test_the_engine_runs_casspecs_kernels_in_the_mode():
     e = engine(0)
     assert e.kernels.startswith("casspec (batch-invariant by construction)")
     assert e.model.dense.names == DenseKernels.forced("casspec").names and e.model.pointwise.attention is not None
+    # its products need no padding, so the C++ layer loop runs the target, the same bits as the Python loop
+    from dsia.fastloop import layer_stack
+    from dsia.plan import TARGET
+
+    assert e.model.dense_row_invariant() and layer_stack(e.model, TARGET) is not None
+    rng = random.Random(3)
+    V = e.model.spec.vocab_size
+    prompt, tokens, parents = [rng.randrange(V) for _ in range(BLOCK + 5)], [rng.randrange(V) for _ in range(9)], \
+        random_tree(9, rng)
+    with torch.inference_mode():
+        outs = []
+        for m in (e.model, e.model.with_stacks(None)):
+            cache = m.new_cache(len(prompt) + len(tokens) + 1)
+            m.forward(cache, torch.tensor(prompt), torch.arange(len(prompt)), 0)
+            cache.commit(list(range(len(prompt))))
+            outs.append(m.forward(cache, torch.tensor(tokens), position_ids(parents, len(prompt)), len(prompt),
+                                  ancestor_mask(parents)))
+    assert torch.equal(outs[0], outs[1])
+    assert differing_rows(e.model, prompt, parents, tokens) == 0
 
 
 def test_the_mode_refuses_where_rows_depend_on_the_row_count(monkeypatch):

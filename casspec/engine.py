@@ -24,13 +24,13 @@ import numpy as np
 import torch
 
 from dsia.errors import CasspecError
-from dsia.cxx import build_error, built
+from dsia.cxx import LIBRARY_DTYPES, build_error, built
 from dsia.fastloop import Stacks, cxx_pointwise
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kernels import DenseKernels, candidates
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
-from dsia.model import OWN_ATTENTION_DTYPES, Transformer, compiled_pointwise
+from dsia.model import Transformer, compiled_pointwise
 from dsia.spec import DEFAULT_CONTEXT
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy
@@ -115,7 +115,7 @@ class Engine:
         batch_invariant = batch_invariant or native
         # casspec's own products and attention give each row the same bits whatever the rows beside it (by
         # construction, on every CPU): a batch-invariant target runs them where the library is built
-        own = stacked and not compiled and not cuda  # (the library's ops: its attention in OWN_ATTENTION_DTYPES)
+        own = stacked and not compiled and not cuda  # (the library's ops: its attention in LIBRARY_DTYPES)
         if batch_invariant and own and kernels == "auto" and "casspec" in candidates(model.dtype, model.device):
             dense, self.kernels = DenseKernels.forced("casspec"), "casspec (batch-invariant by construction)"
         else:
@@ -125,7 +125,7 @@ class Engine:
             if graphs or compile_pointwise:
                 raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "
                                    "elementwise steps off with them")
-            model = model.with_batch_invariant(own_attention=own and model.dtype in OWN_ATTENTION_DTYPES)
+            model = model.with_batch_invariant(own_attention=own and model.dtype in LIBRARY_DTYPES)
             self.kernels += "; batch-invariant"
         if compiled:
             model = model.with_pointwise(compiled_pointwise())

@@ -1,15 +1,19 @@
-"""casspec's C++ library (csrc/): the layer loop, the ops of a float32 forward's small steps, the GGUF block product
-and the dense float32 product, built once per machine with the system's C++ compiler and cached by
-torch.utils.cpp_extension (torch's extension cache rebuilds it when a source changes). Where it does not build (no
-compiler, no ninja), `build_error` says why, once, and every caller runs torch's own kernels instead."""
+"""casspec's C++ library (csrc/): the layer loop, the ops of a float32 forward's small steps, the attention and the
+dense product (float32 and bfloat16: LIBRARY_DTYPES) and the GGUF block product, built once per machine with the
+system's C++ compiler and cached by torch.utils.cpp_extension (torch's extension cache rebuilds it when a source
+changes). Where it does not build (no compiler, no ninja), `build_error` says why, once, and every caller runs
+torch's own kernels instead."""
 from __future__ import annotations
 
 import functools
 import os
 from pathlib import Path
 
+import torch
+
 from .errors import CasspecError
 
+LIBRARY_DTYPES = (torch.float32, torch.bfloat16)  # what the library's dense product and attention take (on a CPU)
 ISAS = ("plain", "avx2", "avx512")  # what the environment's CASSPEC_ISA may name: the widest path the ops run (ops.h)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "ops.cpp", "blockq.cpp", "dense.cpp")]
 EXTENSION = "casspec_layers"  # the built library's name
@@ -19,8 +23,8 @@ def check_isa_env() -> None:
     """A CasspecError (one line) where CASSPEC_ISA names no path the library has."""
     name = os.environ.get("CASSPEC_ISA", "")
     if name and name not in ISAS:
-        raise CasspecError(f"CASSPEC_ISA={name} is not an instruction set casspec has paths for: use plain, avx2 or "
-                           "avx512, or unset it")
+        raise CasspecError(f"CASSPEC_ISA={name} is not an instruction set casspec has paths for: use "
+                           f"{', '.join(ISAS[:-1])} or {ISAS[-1]}, or unset it")
 
 
 @functools.cache

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cxx import build_error
+from .cxx import LIBRARY_DTYPES, build_error
 from .errors import CasspecError
 
 DenseFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # x [T, in], w [out, in], b [out] | None -> [T, out]
@@ -82,7 +82,7 @@ def _casspec(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
 
 
 # kernels that run on a CPU only and compute only these dtypes (a product outside them goes to BLAS)
-CPU_DTYPES = {"onednn": (torch.float32,), "mkl": (torch.float32,), "casspec": (torch.float32, torch.bfloat16)}
+CPU_DTYPES = {"onednn": (torch.float32,), "mkl": (torch.float32,), "casspec": LIBRARY_DTYPES}
 _PACKED = PackedSgemm()  # the one store of packed weights
 KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn, "mkl": _PACKED,
                                "casspec": _casspec}  # every dense kernel by name
@@ -144,11 +144,10 @@ class DenseKernels:
         name = kernel_for(self, x.shape[0], x.dtype, x.device) if x.dim() == 2 else "blas"
         return KERNELS[name](x, w, b)
 
-    @property
-    def row_invariant(self) -> bool:
-        """Whether every product runs casspec's own kernel, whose rows are the same bits whatever the row count (by
-        construction: the batch-invariant mode then needs no padding). A dtype it does not take goes to BLAS."""
-        return all(name == "casspec" for name in self.names)
+    def row_invariant(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether every product in dtype on device runs casspec's own kernel (`kernel_for`), whose rows are the
+        same bits whatever the row count (by construction: the batch-invariant mode then needs no padding)."""
+        return all(kernel_for(self, top, dtype, device) == "casspec" for top in BUCKETS)
 
     def prepare(self, weights: list[Tensor]) -> None:
         """Pack ahead the weights a chosen kernel keeps in its own layout (set-up time, not the first step's), and

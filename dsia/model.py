@@ -20,7 +20,8 @@ from torch import Tensor
 from .errors import CasspecError
 from .invariant import (BLOCK, RowKeys, block_attention, check_supported, invariant_linear, row_keys,
                         rows_independent)
-from .kernels import CPU_DTYPES, DenseFn, DenseKernels
+from .cxx import LIBRARY_DTYPES
+from .kernels import DenseFn, DenseKernels
 from .kvcache import KVCache
 from .plan import TARGET, Plan
 from .spec import DEFAULT_CONTEXT, ModelSpec
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from .graphs import Graphs
 
 FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # projections sharing one input
-OWN_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # what Pointwise.attention (casspec's op, on a CPU) takes
 
 
 @dataclass
@@ -137,7 +137,7 @@ class Pointwise:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     rope_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int], Tensor]
     # q [H, T, hd], a layer's keys and values [Hkv, S, hd], end, mask [T, end] bool | None (causal by slot), scale ->
-    # [T, H*hd], each row over its own keys whatever the other rows (OWN_ATTENTION_DTYPES on a CPU); None: SDPA's
+    # [T, H*hd], each row over its own keys whatever the other rows (LIBRARY_DTYPES on a CPU); None: SDPA's
     attention: Callable[[Tensor, Tensor, Tensor, int, Tensor | None, float], Tensor] | None = None
 
 
@@ -425,7 +425,7 @@ class Transformer:
         where the Pointwise has one, else by blocks, a prompt's prefill too (a later prompt that starts with this
         one reuses its KV: written otherwise, it would differ in the last bits from what one-token steps write);
         any other forward with its own over one row (where it is faster than SDPA's), SDPA over more."""
-        own = self.pointwise.attention is not None and self.dtype in OWN_ATTENTION_DTYPES and self.device.type == "cpu"
+        own = self.pointwise.attention is not None and self.dtype in LIBRARY_DTYPES and self.device.type == "cpu"
         if self.batch_invariant and plan.is_target:
             return "own" if own else "rows"
         return "own" if own and T == 1 else "sdpa"
@@ -499,8 +499,7 @@ class Transformer:
 
     def dense_row_invariant(self) -> bool:
         """Whether every dense product of a target forward runs a kernel whose rows do not depend on the row count."""
-        return (getattr(self.dense, "row_invariant", False) and self.device.type == "cpu"
-                and self.dtype in CPU_DTYPES["casspec"])
+        return self.dense.row_invariant(self.dtype, self.device)
 
     def linear_kernel(self, i: int, name: str, plan: Plan) -> Callable[[Tensor], Tensor] | None:
         """The kernel that runs projection `name` of layer i: the plan's, else the target's native one; None: the

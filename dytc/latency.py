@@ -405,8 +405,8 @@ def select_profile(machine: dict, model: str, dtype: str, kernels: str | None = 
     """The newest profile in `folder` measured on this CPU model and GPU, for this model and dtype, with these
     dense kernels (`Engine.build`; a profile that does not record them predates casspec's own kernels and matches
     none: its forwards ran 1.3-3x slower than today's on the AMD EPYC, and a router steered by it drafted too little),
-    else None. A file that is not a
-    profile, or a matching one whose predictor is malformed, is skipped with one warning line."""
+    else None. A file that is not a profile, or a matching one whose predictor is malformed, is skipped with one
+    warning line."""
     folder = Path(folder) if folder is not None else default_profiles()
     best: tuple[str, Path] | None = None
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:

@@ -30,7 +30,6 @@ constexpr int64_t kAheadBytes = 8192;  // how far ahead in the codes (and as man
 // loop prefetches: the native SmolLM2 step's 121 products took 3.3-3.4 ms with it against 3.5-4.0 without (AMD EPYC)
 constexpr int kRowTile = 4;  // rows that share each unpacked block (the switch in CASSPEC_RANGE goes to 3)
 
-
 // A call's operands. codes per (tile, block): 8-bit: 8 groups x 16 outputs x 4 bytes, each code + 128 (0..255);
 // 4-bit: 4 x 16 x 4 bytes, group g in the low nibbles and group g + 4 in the high ones. d, m: [tiles, blocks, 16].
 // Activations: xq [T, K] int8, dx, sx [T, blocks] (sx = dx * sum of the block's xq), xsum [T, blocks] (that sum).
@@ -317,7 +316,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
               " outputs do not fill the last of ", tiles, " tiles of 16");
   TORCH_CHECK(K == kBlock * blocks, "casspec block_linear: x has ", K, " inputs, the codes ", kBlock * blocks);
   TORCH_CHECK(isa >= kAuto && isa <= block_isa(), "casspec block_linear: isa ", isa,
-              " is not one this CPU has (-1 the best, 0 plain, 1 AVX2, 2 AVX-512 VNNI)");
+              " is not one this CPU runs (or CASSPEC_ISA allows): -1 the best, 0 plain, 1 AVX2, 2 AVX-512 VNNI");
   const at::Tensor xc = x.contiguous();
   at::Tensor xq = at::empty({T, K}, x.options().dtype(at::kChar));
   at::Tensor dx = at::empty({T, blocks}, x.options()), sx = at::empty({T, blocks}, x.options());

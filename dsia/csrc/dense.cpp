@@ -41,12 +41,7 @@ struct Job {
 // a value as float32 (bfloat16's bits widened exactly), and a float32 sum in the output's type (bfloat16: rounded to
 // nearest even, as torch rounds)
 inline float widen(float v) { return v; }
-inline float widen(uint16_t bits) {
-  const uint32_t u = uint32_t{bits} << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+inline float widen(uint16_t bits) { return c10::detail::f32_from_bits(bits); }
 template <class Wt>
 inline Wt narrow(float v) {
   if constexpr (std::is_same_v<Wt, float>) {
@@ -164,14 +159,6 @@ struct Vec {
     _mm256_storeu_ps(p + 8, hi);
   }
 };
-// 16 vectors' fold16, one at a time (the same additions as the AVX-512 path's fold_many)
-void fold_many(const Vec* v, float* out) {
-  for (int s = 0; s < 16; ++s) {
-    float lanes[kLanes];
-    v[s].store(lanes);
-    out[s] = fold16(lanes);
-  }
-}
 #include "dense_rows.h"
 // 16 registers: one output by 4 rows, or 2 by 2
 template <class Wt>
@@ -198,10 +185,7 @@ struct Vec {
   }
   static Vec load(const uint16_t* p, int64_t n) {  // bfloat16 bits, widened exactly
     Vec r{};
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t bits = uint32_t{p[i]} << 16;
-      std::memcpy(&r.v[i], &bits, sizeof(float));
-    }
+    for (int64_t i = 0; i < n; ++i) r.v[i] = widen(p[i]);
     return r;
   }
   static Vec fma(const Vec& a, const Vec& b, const Vec& c) {
@@ -211,14 +195,6 @@ struct Vec {
   }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
 };
-// 16 vectors' fold16, one at a time (the same additions as the AVX-512 path's fold_many)
-void fold_many(const Vec* v, float* out) {
-  for (int s = 0; s < 16; ++s) {
-    float lanes[kLanes];
-    v[s].store(lanes);
-    out[s] = fold16(lanes);
-  }
-}
 #include "dense_rows.h"
 template <class Wt>
 void range(const Job<Wt>& j, int64_t a, int64_t b) { tiles<1, 1>(j, a, b); }
@@ -248,7 +224,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
                 " values expected, got ", bias->sizes());
   }
   TORCH_CHECK(isa >= kAuto && isa <= machine_isa(), "casspec dense_linear: isa ", isa,
-              " is not one this CPU has (-1 the best, 0 plain, 1 AVX2, 2 AVX-512)");
+              " is not one this CPU runs (or CASSPEC_ISA allows): -1 the best, 0 plain, 1 AVX2, 2 AVX-512");
   const Isa use = isa == kAuto ? machine_isa() : static_cast<Isa>(isa);
   const at::Tensor xc = x.contiguous();
   const std::optional<at::Tensor> bc = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;

@@ -1,8 +1,18 @@
 // (included once per instruction set by dense.cpp, inside its namespace, with `Vec` defined: 16 float lanes, loaded
-// from float32 or from bfloat16's bits (Wt: float or uint16_t, the inputs' and the output's type), and fold_many: 16
-// vectors' fold16 at once)
+// from float32 or from bfloat16's bits (Wt: float or uint16_t, the inputs' and the output's type))
 // Outputs [o0, o0 + O) of rows [t0, t0 + R): lane l of output o's sum takes inputs k = 16 c + l, c = 0, 1, ... in
 // order, one fused multiply-add each (inputs past K are zeros); the lanes folded in halves; the bias added last.
+
+// 16 vectors' fold16, one at a time (a path with a faster way to the same additions defines its own
+// fold_many(const Vec*, float*) before including this, which overload resolution prefers)
+template <class V>
+void fold_many(const V* v, float* out) {
+  for (int s = 0; s < 16; ++s) {
+    float lanes[kLanes];
+    v[s].store(lanes);
+    out[s] = fold16(lanes);
+  }
+}
 
 // one 16-input chunk (n <= 16 inputs, zeros after them) of O weight rows (stride K) into the O x R accumulators
 template <int O, int R, class Wt>

@@ -49,11 +49,11 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
 
 // the n <= 16 bfloat16 values (their bits) at p, widened exactly to float32, zeros after them
 [[gnu::always_inline]] inline v16 load(const uint16_t* p, int64_t n) {
-  i16 bits = {};
+  v16 v = {};
   for (int64_t i = 0; i < n; ++i) {
-    bits[i] = static_cast<int32_t>(uint32_t{p[i]} << 16);
+    v[i] = c10::detail::f32_from_bits(p[i]);
   }
-  return reinterpret_cast<v16&>(bits);
+  return v;
 }
 
 [[gnu::always_inline]] inline void store(float* p, v16 v, int64_t n = kLanes) {

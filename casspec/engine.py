@@ -27,7 +27,6 @@ from dsia.errors import CasspecError
 from dsia.cxx import LIBRARY_DTYPES, build_error, built
 from dsia.fastloop import Stacks, cxx_pointwise
 from dsia.graphs import BUCKETS, Graphs
-from dsia.kernels import DenseKernels, candidates
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
 from dsia.model import Transformer, compiled_pointwise
@@ -51,6 +50,21 @@ from .state import StateFile
 from .stats import Result, Stats
 from .tune import kernels_for
 from .usercache import read_json
+
+
+def _library_loop(wanted: bool, required: bool) -> bool:
+    """Whether forwards run the C++ layer loop and ops: `wanted` and the library builds (built once per machine,
+    said on stderr); a CasspecError where it is `required` (--fast-layers) and does not build."""
+    if not wanted:
+        return False
+    if not built():
+        print("casspec: building the C++ layer loop (once per machine, about 15 s; --no-fast-layers runs the "
+              "Python one)", file=sys.stderr)
+    error = build_error()
+    if error is not None and required:
+        raise CasspecError(f"the C++ layer loop did not build ({error}): install a C++ compiler and ninja, "
+                           "or run without fast layers")
+    return error is None
 
 
 class Engine:
@@ -100,26 +114,14 @@ class Engine:
         if fuse:
             model = model.with_fused_projections()
         compiled = cuda if compile_pointwise is None else compile_pointwise
-        stacked = not cuda if fast_layers is None else fast_layers
-        if stacked:
-            if not built():
-                print("casspec: building the C++ layer loop (once per machine, about 15 s; --no-fast-layers runs the "
-                      "Python one)", file=sys.stderr)
-            error = build_error()
-            if error is not None and fast_layers:
-                raise CasspecError(f"the C++ layer loop did not build ({error}): install a C++ compiler and ninja, "
-                                   "or run without fast layers")
-            stacked = error is None
+        stacked = _library_loop(not cuda if fast_layers is None else fast_layers, required=bool(fast_layers))
         # a native target's forwards are batch-invariant always: its kernels take bfloat16 activations, which would
         # round a verification's last-bit differences from a one-token step (the attention's) into larger ones
         batch_invariant = batch_invariant or native
         # casspec's own products and attention give each row the same bits whatever the rows beside it (by
         # construction, on every CPU): a batch-invariant target runs them where the library is built
         own = stacked and not compiled and not cuda  # (the library's ops: its attention in LIBRARY_DTYPES)
-        if batch_invariant and own and kernels == "auto" and "casspec" in candidates(model.dtype, model.device):
-            dense, self.kernels = DenseKernels.forced("casspec"), "casspec (batch-invariant by construction)"
-        else:
-            dense, self.kernels = kernels_for(model, kernels)
+        dense, self.kernels = kernels_for(model, kernels, invariant=batch_invariant and own)
         model = model.with_dense(dense)
         if batch_invariant:
             if graphs or compile_pointwise:

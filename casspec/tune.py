@@ -132,8 +132,12 @@ def format_steps(times: dict[str, float], weight_bytes: int) -> str:
     return "\n".join(lines)
 
 
-def kernels_for(model: Transformer, choice: str) -> tuple[DenseKernels, str]:
-    """`choice`: "auto" (measured, cached) or a kernel name forced for every token count; and a description."""
+def kernels_for(model: Transformer, choice: str, invariant: bool = False) -> tuple[DenseKernels, str]:
+    """`choice`: "auto" (measured, cached) or a kernel name forced for every token count; and a description.
+    invariant: a batch-invariant target whose C++ library runs: "auto" then takes casspec's own kernel wherever it
+    computes the model's dtype (its rows the same bits whatever the row count, by construction, on every CPU)."""
+    if choice == "auto" and invariant and "casspec" in candidates(model.dtype, model.device):
+        return DenseKernels.forced("casspec"), "casspec (batch-invariant by construction)"
     if choice == "auto":
         kernels, rec = tuned_kernels(model)
         return kernels, f"{kernels.describe()} ({rec['source']})"

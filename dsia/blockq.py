@@ -22,9 +22,7 @@ class BlockLinear:
     outputs side by side (8-bit: code + 128, a byte each; 4-bit: group g in the low nibbles, g + 4 in the high ones,
     as compact as the file's blocks); d and m per tile and block, 16 each."""
 
-    kind = "block"
-
-    def __init__(self, q: Tensor, d: Tensor, m: Tensor | None, bits: int) -> None:
+    def __init__(self, q: Tensor, d: Tensor, m: Tensor | None, bits: int, kind: str = "block") -> None:
         out, n_in = q.shape
         assert bits in (4, 8) and n_in % BLOCK == 0 and d.shape == (out, n_in // BLOCK), (q.shape, d.shape, bits)
         nb, tiles = n_in // BLOCK, -(-out // TILE)
@@ -40,6 +38,7 @@ class BlockLinear:
         self.scales = torch.stack(per_tile).contiguous()  # [1 or 2, tiles, blocks, 16]: d, then m
         self.out_features = out
         self.bits = bits
+        self.kind = kind  # what it stands for: "block" (a GGUF tensor as stored) or a level's quantization kind
         self.act_dtype = torch.float32
 
     def __call__(self, x: Tensor) -> Tensor:

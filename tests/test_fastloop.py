@@ -1,5 +1,5 @@
 """The C++ layer loop (dsia/fastloop.py, csrc/layers.cpp): the plans it takes give the Python loop's logits and KV bit
-for bit (int4 levels and dense targets, float32 and bfloat16, q|k|v fused or not, with or without biases, BLAS and
+for bit (the quantized levels' block products and dense targets, float32 and bfloat16, q|k|v fused or not, with or without biases, BLAS and
 MKL; one token, a tree's scratch mask, a causal prefill; a GGUF target's Q4_0 / Q8_0 products as stored), the plans
 it does not take run the Python loop, and a build that fails is one clear line where the loop was asked for."""
 import copy
@@ -45,14 +45,16 @@ def assert_same(fast, slow, plan: Plan) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["int4", "int4+vocab"])
-def test_int4_levels_equal_the_python_loop(arch, dtype, name):
-    """Qwen2's fused q|k|v product gets its parts' biases after the split."""
+@pytest.mark.parametrize("name", ["int4", "int4+vocab", "int8"])
+def test_block_levels_run_the_same_bits_in_the_cpp_loop(arch, dtype, name):
+    """The quantized levels' products run casspec's block kernel (Q4_1 / Q8_0 blocks) in both loops; Qwen2's fused
+    q|k|v product gets its parts' biases after the split."""
     eng = tiny_engine(arch, seed=1, dtype=dtype)
     fast, slow = both(eng.model)
     level = eng.levels.get(name)
     stack = fast.stacks.get(fast, level.plan)
     assert stack is not None and not stack.dense
+    assert {slot.kind for slot in stack.slots if slot.weight.numel()} == {BLOCKS}
     assert_same(fast, slow, level.plan)
 
 
@@ -94,7 +96,7 @@ def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
 
 
 @pytest.mark.parametrize("arch,name", [("qwen3", "int4"), ("llama", "int4+skip0.3"), ("llama", "int4+exit2"),
-                                       ("llama", "int8"), ("llama", "w8a8")])
+                                       ("llama", "w8a8")])
 def test_plans_it_does_not_take_run_the_python_loop(arch, name):
     """q/k norms (Qwen3), skipped sublayers, an early exit, other kernels: no stack."""
     eng = tiny_engine(arch, seed=0)

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from dsia import quant
+from dsia.blockq import BlockLinear
+from dsia.cxx import build_error
 from dsia.errors import CasspecError
 from dsia.model import Transformer
 from dsia.quant import (HEAD, HEAD_KINDS, KINDS, SHORTLIST, QuantCodec, QuantConfig, RescoredHead, quantize_head,
@@ -43,6 +45,14 @@ def ref_dequant(w: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
     """The weight [out, in] each kernel should multiply by, from the documented formulas (not the packed data)."""
     w = w.float()
     out, n_in = w.shape
+    if quant.blocks_for(w, kind, cfg):  # casspec's block kernel: GGUF Q4_1 / Q8_0 blocks of 32, float32 scales
+        g = w.reshape(out, n_in // 32, 32)
+        if kind == "int4":
+            lo, hi = g.amin(2, keepdim=True), g.amax(2, keepdim=True)
+            d = ((hi - lo) / 15).clamp(min=1e-12)
+            return (((g - lo) / d).round().clamp(0, 15) * d + lo).reshape(out, n_in)
+        d = (g.abs().amax(2, keepdim=True) / 127).clamp(min=1e-12)
+        return ((g / d).round().clamp(-127, 127) * d).reshape(out, n_in)
     rnd = lambda t: t.to(cfg.act_dtype).float()  # scales are stored in the activation dtype  # noqa: E731
     if kind == "int8":
         s = rnd((w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12))
@@ -70,12 +80,20 @@ def ref_dequant(w: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
     return bnbF.dequantize_4bit(packed, state).float()
 
 
-def act_of(kind: str, cfg: QuantConfig) -> torch.dtype:
+def act_of(kind: str, cfg: QuantConfig, blocks: bool = False) -> torch.dtype:
+    if blocks:
+        return torch.float32
     return torch.bfloat16 if kind in ("nf4", "bf16") else torch.float32 if kind == "w8a8" else cfg.act_dtype
 
 
-def ref_act(x: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
-    """The activations each kernel multiplies: w8a8 quantizes them per call to uint8 over [min(x, 0), max(x, 0)]."""
+def ref_act(x: torch.Tensor, kind: str, cfg: QuantConfig, blocks: bool = False) -> torch.Tensor:
+    """The activations each kernel multiplies: w8a8 quantizes them per call to uint8 over [min(x, 0), max(x, 0)];
+    the block kernel per row and block of 32 to int8, d = max |x| / 127 (times 1 / d, rounded half to even)."""
+    if blocks:
+        g = x.float().reshape(x.shape[0], -1, 32)
+        d = g.abs().amax(2, keepdim=True) / 127
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        return ((g * inv).round() * d).reshape(x.shape)
     if kind != "w8a8":
         return x.to(act_of(kind, cfg)).float()
     lo, hi = x.min().clamp(max=0), x.max().clamp(min=0)
@@ -95,20 +113,23 @@ def model() -> Transformer:
 
 
 # ---------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "torch"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kind", KERNEL_KINDS)
-def test_kernel_equals_dense_matmul_with_dequantized_weight(kind, act_dtype):
+def test_kernel_equals_dense_matmul_with_dequantized_weight(kind, act_dtype, blocks):
     torch.manual_seed(0)
     w = torch.randn(96, 128) * 0.1  # [out, in]
     x = torch.randn(5, 128)  # [T, in]
-    cfg = config(kind, act_dtype=act_dtype)
+    cfg = config(kind, act_dtype=act_dtype, blocks=blocks)
     k = quantize_weight(w, kind, cfg)
-    assert k.kind == kind
+    own = quant.blocks_for(w, kind, cfg)
+    assert k.kind == kind and isinstance(k, BlockLinear) == own
+    assert own == (blocks and kind in quant.BLOCK_KINDS and build_error() is None)
     y = k(x)  # [T, out]
     assert y.shape == (5, 96) and y.dtype == x.dtype
     deq = ref_dequant(w, kind, cfg)
-    act = act_of(kind, cfg)
-    ref = ref_act(x, kind, cfg) @ deq.T  # what the kernel multiplies, in float32
+    act = act_of(kind, cfg, own)
+    ref = ref_act(x, kind, cfg, own) @ deq.T  # what the kernel multiplies, in float32
     # bf16 activations give a bf16 output; w8a8's rounding of x to its grid may differ by one step at a tie
     tol = 2 ** -8 if act == torch.bfloat16 else 2 ** -7 if kind == "w8a8" else 1e-5
     torch.testing.assert_close(y, ref, rtol=0, atol=tol * ref.abs().max().item())
@@ -123,19 +144,32 @@ def test_kernel_close_to_original_weight(kind, bound):
     assert rel(y, x @ w.T) < bound
 
 
-def test_int8g_is_exact_on_a_q8_0_grid():
-    """Blocks of 32 int8 values times a per-block scale (GGUF Q8_0) come back exactly, up to the bf16 scale."""
+def on_grid_activations(blocks: bool) -> torch.Tensor:
+    """x [4, 64]; for the block kernel integers with 127 in every block of 32, which its 8-bit rows keep exactly."""
+    if not blocks:
+        return torch.randn(4, 64)
+    x = torch.randint(-127, 128, (4, 64)).float()
+    x[:, ::32] = 127
+    return x
+
+
+@pytest.mark.parametrize("kind,blocks", [("int8g", True), ("int8g", False), ("int8", True)],
+                         ids=["int8g-blocks", "int8g-torch", "int8-blocks"])
+def test_int8g_is_exact_on_a_q8_0_grid(kind, blocks):
+    """Blocks of 32 int8 values times a per-block scale (GGUF Q8_0) come back exactly, up to the bf16 scale (the
+    block kernel's int8 is Q8_0 too; torch's per-channel int8 is not)."""
     torch.manual_seed(2)
     q = torch.randint(-127, 128, (32, 64)).float()
     q[:, ::32] = 127  # every block reaches its absmax
     d = torch.rand(32, 2).repeat_interleave(32, dim=1).bfloat16().float()  # [out, in], one scale per block
     w = q * d
-    x = torch.randn(4, 64)
-    k = quantize_weight(w, "int8g", config("int8g", act_dtype=torch.float32))
-    torch.testing.assert_close(k(x), x @ w.T, rtol=1e-5, atol=1e-4)
+    x = on_grid_activations(blocks)
+    k = quantize_weight(w, kind, config(kind, act_dtype=torch.float32, blocks=blocks))
+    torch.testing.assert_close(k(x), x @ w.T, rtol=1e-5, atol=1e-4 * x.abs().max().item())
 
 
-def test_int4_is_exact_on_a_q4_1_grid():
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "torch"])
+def test_int4_is_exact_on_a_q4_1_grid(blocks):
     """Blocks of 32 4-bit codes with a per-block scale and min (GGUF Q4_1) come back exactly with group 32."""
     torch.manual_seed(3)
     q = torch.randint(0, 16, (32, 64)).float()
@@ -143,9 +177,9 @@ def test_int4_is_exact_on_a_q4_1_grid():
     d = torch.rand(32, 2).repeat_interleave(32, dim=1).bfloat16().float()
     m = -8 * d  # with min = -8d, the zero point (min + 8d = 0) is exact in any dtype
     w = q * d + m
-    x = torch.randn(4, 64)
-    k = quantize_weight(w, "int4", QuantConfig("int4", act_dtype=torch.float32))
-    torch.testing.assert_close(k(x), x @ w.T, rtol=1e-5, atol=1e-4)
+    x = on_grid_activations(blocks)
+    k = quantize_weight(w, "int4", QuantConfig("int4", act_dtype=torch.float32, blocks=blocks))
+    torch.testing.assert_close(k(x), x @ w.T, rtol=1e-5, atol=1e-4 * x.abs().max().item())
 
 
 # ---------------------------------------------------------------------- whole model
@@ -166,7 +200,9 @@ def dequantized_model(m: Transformer, cfg: QuantConfig) -> Transformer:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases added after the kernel
 def test_plan_forward_equals_dense_forward_with_dequantized_weights(arch, kind, head_kind, fuse):
     m = Transformer.from_hf(tiny_model(arch, seed=4, vocab=112, dim=64, layers=2))
-    cfg = QuantConfig(kind, act_dtype=torch.float32, head_kind=head_kind, fuse=fuse)
+    # torch's kernels multiply the activations as they are (the block kernel's 8-bit rows: test_blockq, and
+    # test_block_levels_run_the_same_bits_in_the_cpp_loop)
+    cfg = QuantConfig(kind, act_dtype=torch.float32, head_kind=head_kind, fuse=fuse, blocks=False)
     q = quantize_linears(m, cfg)
     assert set(q.kinds.values()) == {kind, head_kind or kind}
     toks = torch.randint(0, 112, (9,), generator=torch.Generator().manual_seed(0))
@@ -211,16 +247,22 @@ def test_nbytes_counts_packed_weights_and_scales(model):
     mats = [(s.n_heads * s.head_dim + 2 * s.n_kv_heads * s.head_dim, s.dim), (s.dim, s.n_heads * s.head_dim),
             (2 * s.intermediate, s.dim), (s.dim, s.intermediate)]  # fused q|k|v, o, fused gate|up, down
     fp32 = 4 * (sum(o * i for o, i in mats) * s.n_layers + s.vocab_size * s.dim)
-    q8 = quantize_linears(model, QuantConfig("int8", head_kind=None))
+    q8 = quantize_linears(model, QuantConfig("int8", head_kind=None, blocks=False))
     assert q8.nbytes == sum(o * i + 2 * o for o, i in mats) * s.n_layers + s.vocab_size * s.dim + 2 * s.vocab_size
-    q4 = quantize_linears(model, QuantConfig("int4", head_kind=None))
+    q4 = quantize_linears(model, QuantConfig("int4", head_kind=None, blocks=False))
     int4 = lambda o, i: o * i // 2 + (i // 32) * o * 2 * 2  # noqa: E731  packed nibbles + bf16 (scale, zero)
     assert q4.nbytes == sum(int4(o, i) for o, i in mats) * s.n_layers + int4(s.vocab_size, s.dim)
     assert 0 < q4.nbytes < q8.nbytes < fp32 / 3
-    qg = quantize_linears(model, QuantConfig("int4", head_kind="int8g"))  # int8g head: twice int4's planes
+    qg = quantize_linears(model, QuantConfig("int4", head_kind="int8g", blocks=False))  # int8g: twice int4's planes
     assert qg.nbytes == q4.nbytes + 2 * int4(s.vocab_size, s.dim) - int4(s.vocab_size, s.dim)
-    qr = quantize_linears(model, QuantConfig("int4"))  # default head: int4r, a 4-bit copy (the rows are the target's)
+    qr = quantize_linears(model, QuantConfig("int4", blocks=False))  # int4r: a 4-bit copy (the rows are the target's)
     assert qr.nbytes == q4.nbytes
+    if build_error() is None:  # the block kernel: codes per 16 outputs (padded), float32 d (and m) per block of 32
+        tiles = lambda o: -(-o // 16) * 16  # noqa: E731
+        blocks = lambda o, i, bits: tiles(o) * i * bits // 8 + tiles(o) * (i // 32) * 4 * (2 if bits == 4 else 1)  # noqa: E731
+        for kind, bits in (("int4", 4), ("int8", 8)):
+            qb = quantize_linears(model, QuantConfig(kind, head_kind=None))
+            assert qb.nbytes == sum(blocks(o, i, bits) for o, i in mats) * s.n_layers + blocks(s.vocab_size, s.dim, bits)
     if has_bnb():
         for kind in BNB_KINDS:
             assert 0 < quantize_linears(model, QuantConfig(kind, head_kind=None)).nbytes < fp32 / 3
@@ -229,7 +271,7 @@ def test_nbytes_counts_packed_weights_and_scales(model):
 def test_odd_dims_fall_back_to_int8():
     """dim 48 (not a multiple of 32), vocab 97 (not of 16): those matrices become int8, the rest stays int4."""
     m = Transformer.from_hf(tiny_model("llama", seed=6, dim=48, heads=4, kv_heads=2, layers=2))
-    q = quantize_linears(m, QuantConfig("int4"))
+    q = quantize_linears(m, QuantConfig("int4", blocks=False))
     for i in range(2):
         assert q.kinds[(i, "down")] == "int4"  # [48, 96]
         assert all(q.kinds[(i, n)] == "int8" for n in ("q", "k", "v", "o", "gate", "up"))  # in = 48
@@ -238,7 +280,10 @@ def test_odd_dims_fall_back_to_int8():
     ref = m.forward(m.new_cache(16), toks, torch.arange(10), 0)
     out = m.forward(m.new_cache(16), toks, torch.arange(10), 0, plan=q.plan())
     assert rel(out, ref) < 0.6
-    assert isinstance(quantize_weight(torch.randn(97, 64), "int4", QuantConfig("int4")), quant.Int8Linear)
+    assert isinstance(quantize_weight(torch.randn(97, 64), "int4", QuantConfig("int4", blocks=False)), quant.Int8Linear)
+    if build_error() is None:  # the block kernel takes any out (padded to 16) where in % 32 == 0
+        assert isinstance(quantize_weight(torch.randn(97, 64), "int4", QuantConfig("int4")), BlockLinear)
+        assert isinstance(quantize_weight(torch.randn(97, 48), "int4", QuantConfig("int4")), quant.Int8Linear)
     assert isinstance(quantize_weight(torch.randn(64, 96), "int4", QuantConfig("int4", 64)), quant.Int8Linear)
     if has_bnb():
         q = quantize_linears(m, QuantConfig("nf4", head_kind=None))
@@ -322,7 +367,8 @@ def test_rescored_head_scores_its_shortlist_with_the_targets_rows(act_dtype):
     head = quantize_head(w, "int4r", cfg)
     assert isinstance(head, RescoredHead) and head.kind == "int4r" and head.w is w and head.nbytes < w.numel()
     out = head(h)  # [N, V]
-    coarse = ref_act(h, "int4", cfg) @ ref_dequant(w, "int4", cfg).T  # [N, V]
+    own = quant.blocks_for(w, "int4", cfg)
+    coarse = ref_act(h, "int4", cfg, own) @ ref_dequant(w, "int4", cfg).T  # [N, V]
     exact = h @ w.T
     top = coarse.topk(SHORTLIST, dim=-1).indices  # [N, k]
     listed = torch.zeros(6, V, dtype=torch.bool).scatter_(1, top, True)
@@ -341,4 +387,7 @@ def test_rescored_head_scores_its_shortlist_with_the_targets_rows(act_dtype):
     with pytest.raises(ValueError):
         QuantCodec(QuantConfig("int4")).decode(tensors, layout)
     # where the 4-bit kernel cannot take the head (out % 16), it falls back to int8g's choice
-    assert quantize_head(torch.randn(97, 64), "int4r", cfg).kind == "int8"
+    torch_cfg = dataclasses.replace(cfg, blocks=False)
+    assert quantize_head(torch.randn(97, 64), "int4r", torch_cfg).kind == "int8"
+    if build_error() is None:  # (the block kernel pads the outputs to its tiles of 16)
+        assert quantize_head(torch.randn(97, 64), "int4r", cfg).kind == "int4r"

@@ -1,7 +1,8 @@
 """The C++ layer loop (dsia/fastloop.py, csrc/layers.cpp): the plans it takes give the Python loop's logits and KV bit
-for bit (the quantized levels' block products and dense targets, float32 and bfloat16, q|k|v fused or not, with or without biases, BLAS and
-MKL; one token, a tree's scratch mask, a causal prefill; a GGUF target's Q4_0 / Q8_0 products as stored), the plans
-it does not take run the Python loop, and a build that fails is one clear line where the loop was asked for."""
+for bit (the quantized levels' block products and dense targets, float32 and bfloat16, q|k|v fused or not, with or
+without biases, BLAS and MKL; one token, a tree's scratch mask, a causal prefill; a GGUF target's Q4_0 / Q8_0 products
+as stored), the plans it does not take run the Python loop, and a build that fails is one clear line where the loop
+was asked for."""
 import copy
 
 import pytest

@@ -262,7 +262,8 @@ def test_nbytes_counts_packed_weights_and_scales(model):
         blocks = lambda o, i, bits: tiles(o) * i * bits // 8 + tiles(o) * (i // 32) * 4 * (2 if bits == 4 else 1)  # noqa: E731
         for kind, bits in (("int4", 4), ("int8", 8)):
             qb = quantize_linears(model, QuantConfig(kind, head_kind=None))
-            assert qb.nbytes == sum(blocks(o, i, bits) for o, i in mats) * s.n_layers + blocks(s.vocab_size, s.dim, bits)
+            body = sum(blocks(o, i, bits) for o, i in mats) * s.n_layers
+            assert qb.nbytes == body + blocks(s.vocab_size, s.dim, bits)
     if has_bnb():
         for kind in BNB_KINDS:
             assert 0 < quantize_linears(model, QuantConfig(kind, head_kind=None)).nbytes < fp32 / 3

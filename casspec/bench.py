@@ -400,6 +400,7 @@ def _engine_stats(ans: list[Answer]) -> dict:
                 drafted[src] = drafted.get(src, 0) + n
         pol["drafted_by_source"] = drafted
         pol["acceptance_by_source"] = {s: round(accepted[s] / n, 4) for s, n in tested.items() if n}
+        pol["first_estimate_origins"] = reports[0].get("estimate_origins", {})  # where the first turn started
         out["policy"] = pol
     return out
 

@@ -60,6 +60,9 @@ def _dytc(req: Request, d: Drafters) -> Policy:
     # two perturbed argmaxes agree: another rate than the plain argmax's)
     mode = "greedy" if req.sampling.greedy else "sampling"
     tracker = d.trackers.setdefault(f"{mode} {cfg!r}", AcceptanceTracker())
+    if d.plane is not None:  # a level not run yet starts at its agreement measured on this machine
+        tracker.seed({r.name: r.agreement for r in d.plane.ranked if r.name in names},
+                     f"levels plane {d.plane.created}")
     return DyTC([d.levels.get(n) for n in names], tracker, cfg)
 
 

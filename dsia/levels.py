@@ -37,9 +37,10 @@ STRATEGIES: tuple[type[Strategy], ...] = (
     Sparse,  # sparseS: activation-sparse MLPs (sparsity.py)
     Vocab,  # vocab: reduced-vocabulary head (vocab.py)
 )
-# bumped when what the levels compute changes (2: the quantized levels' int4r head), so that what was measured of
-# them on a machine (latency profiles, levels planes, the state generations keep) is measured again
-LEVELS_VERSION = 2
+# bumped when what the levels compute changes (2: the quantized levels' int4r head; 3: int8/int4 on casspec's block
+# kernel), so that what was measured of them on a machine (latency profiles, levels planes, the state generations
+# keep) is measured again
+LEVELS_VERSION = 3
 
 S = TypeVar("S", bound=Switch)
 

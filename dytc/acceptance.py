@@ -10,6 +10,12 @@ steps; a windowed rate keeps one rejected token from cutting the estimate by 30%
 buckets values tokens not drafted yet (the planner's lookahead), and a bucket's estimate is shrunk toward it by
 `shrink` pseudo-tokens (a bucket with few tested tokens in its window says little). A level's top-1 tokens and
 its lower-ranked ones (siblings) are separate sources.
+
+Where a level's agreement was measured on this machine (the levels plane: its top-1 agreement with the target along
+the target's own answers), its per-source average starts there (`seed`) instead of at the blind `prior_level`, so
+that the router does not settle on the level a blind prior happens to favour and never test the other (issue 31:
+int4 agreed 0.989 there, int4+vocab 0.894, both started at 0.8, and int4 was never drafted with). `origins` says
+where each source's average stands: seeded from a measurement, or learned from verifications (kept with the state).
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .sources import OVERRULED, SIBLING, is_lookup
+
+LEARNED = "learned"  # an origin: the source's average moved with verifications
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,14 @@ class AcceptanceTracker:
     overall: dict[str, float] = field(default_factory=dict)  # source -> estimate over all its tokens
     counts: dict[str, list[int]] = field(default_factory=dict)  # source -> [tested, accepted], all time
     recent: dict[tuple[str, int] | str, deque] = field(default_factory=dict)  # key -> last steps' (tested, accepted)
+    origins: dict[str, str] = field(default_factory=dict)  # source -> where its average comes from (seed, LEARNED)
+
+    def seed(self, measured: dict[str, float], origin: str) -> None:
+        """Start each source's average at its measured acceptance (a level's agreement), where it has none yet."""
+        for source, rate in measured.items():
+            if source not in self.overall:
+                self.overall[source] = min(self.cfg.ceil, max(self.cfg.floor, rate))
+                self.origins[source] = origin
 
     def bucket(self, source: str, belief: float) -> int:
         """belief: the draft probability of the token (a level) or the match length (a lookup)."""
@@ -94,6 +110,7 @@ class AcceptanceTracker:
             c = self.counts.setdefault(source, [0, 0])
             c[0] += n
             c[1] += k
+            self.origins[source] = LEARNED
 
     def _recent(self, key: tuple[str, int] | str, tested: int, accepted: int) -> float:
         """Add one step's counts to the key's window; the window's acceptance rate."""
@@ -108,7 +125,8 @@ class AcceptanceTracker:
             return list(k) if isinstance(k, tuple) else [k]
 
         return {"rates": [[*key(k), v] for k, v in self.rates.items()], "overall": self.overall,
-                "counts": self.counts, "recent": [[key(k), list(map(list, w))] for k, w in self.recent.items()]}
+                "counts": self.counts, "recent": [[key(k), list(map(list, w))] for k, w in self.recent.items()],
+                "origins": self.origins}
 
     @staticmethod
     def from_json(d: dict, cfg: AcceptanceConfig = AcceptanceConfig()) -> "AcceptanceTracker":
@@ -120,4 +138,5 @@ class AcceptanceTracker:
             cfg, rates={(str(s), int(b)): float(v) for s, b, v in d["rates"]},
             overall={str(s): float(v) for s, v in d["overall"].items()},
             counts={str(s): [int(t), int(a)] for s, (t, a) in d["counts"].items()},
-            recent={key(k): deque(((int(t), int(a)) for t, a in w), maxlen=cfg.window) for k, w in d["recent"]})
+            recent={key(k): deque(((int(t), int(a)) for t, a in w), maxlen=cfg.window) for k, w in d["recent"]},
+            origins={str(s): str(o) for s, o in d.get("origins", {}).items()})

@@ -131,7 +131,8 @@ class DyTC(Policy):
                 "tested_by_source": {s: n for s, (n, _) in self.outcomes.items()},
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
                 "predicted_draft_ms": round(self.predicted_draft_ms, 1),
-                "measured_draft_ms": round(self.measured_draft_ms, 1)}
+                "measured_draft_ms": round(self.measured_draft_ms, 1),
+                "estimate_origins": {s: self.tracker.origins[s] for s in self.levels if s in self.tracker.origins}}
 
     # ------------------------------------------------------------------ costs
     def costs(self, latency: LatencyModel | None, context: int, n_max: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:

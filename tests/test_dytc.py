@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from casspec.engine import Request
 from dsia.errors import CasspecError
-from dytc.acceptance import AcceptanceConfig, AcceptanceTracker
+from dytc.acceptance import LEARNED, AcceptanceConfig, AcceptanceTracker
 from dytc.cascade import CascadeConfig
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, Point
 from dytc.ngram import PromptLookup
@@ -108,6 +109,39 @@ def test_moving_average_follows_lambda():
     assert tr.rates[key] == pytest.approx(cfg.floor)
     assert tr.estimate(PLD, 3) == pytest.approx(0.75)  # prior: match length n -> n / (n + 1)
     assert tr.counts["int4"] == [44, 3]
+
+
+def test_a_measured_agreement_seeds_a_levels_average_until_verifications_move_it():
+    tr = AcceptanceTracker()
+    tr.seed({"int4": 0.99, "int4+vocab": 0.6}, "levels plane 2026-11-27")
+    assert tr.mean("int4") == pytest.approx(0.99) and tr.mean("int4+vocab") == pytest.approx(0.6)
+    assert tr.estimate("int4", 0.5) == pytest.approx(0.99)  # an unseen bucket starts from the source's average
+    assert tr.origins == {"int4": "levels plane 2026-11-27", "int4+vocab": "levels plane 2026-11-27"}
+    tr.update([("int4", 0.9, False)])
+    assert tr.mean("int4") == pytest.approx(0.7 * 0.99) and tr.origins["int4"] == LEARNED
+    tr.seed({"int4": 0.99, "int8": 2.0}, "a later plane")  # a learned average stays; a rate is clamped
+    assert tr.mean("int4") == pytest.approx(0.7 * 0.99) and tr.mean("int8") == tr.cfg.ceil
+    back = AcceptanceTracker.from_json(json.loads(json.dumps(tr.to_json())))
+    assert back.origins == tr.origins and back.overall == tr.overall
+
+
+@pytest.mark.parametrize("better", ["int4", "int8"])
+def test_the_router_drafts_first_with_the_level_measured_to_agree_more(better):
+    """Two levels of the same cost: blind priors cannot tell them apart; the measured agreements can."""
+    e = tiny_engine("llama", 0)
+    pts = [Point(name, t, c, tree, base + (t - 1)) for name, base in ((TARGET_LEVEL, 50.0), ("int4", 5.0),
+                                                                       ("int8", 5.0))
+           for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) for c in (64, 128) for tree in (False, True)]
+    tracker = AcceptanceTracker()
+    tracker.seed({"int4": 0.95 if better == "int4" else 0.5, "int8": 0.95 if better == "int8" else 0.5}, "plane")
+    router = DyTC([e.levels.get("int4"), e.levels.get("int8")], tracker, RouterConfig(levels=("int4", "int8"),
+                                                                                     lookups=()))
+    e.cache.rollback(0)
+    e.extend_prefix([5, 6, 7, 8, 9, 10])
+    ctx = DraftContext(e.model, e.cache, [5, 6, 7, 8, 9, 10, 11], SamplingParams(), None, e.eos_ids, budget=50,
+                       latency=LatencyModel.fit(FeatureSpec(), pts))
+    router.begin(ctx)
+    assert router.best_action(ctx, router.new_step(ctx, 32), 32).source == better
 
 
 def _lookup_reference(hist: list[int], extra: list[int], k: int, eos: int, max_ngram: int = 3) -> list[int]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dsia.blockq import BLOCK, BlockLinear
+from dsia.blockq import BLOCK, BlockLinear, exact_in_half
 from dsia.errors import CasspecError
 from dsia.cxx import build_error
 from dsia.model import FUSED_GROUPS, Transformer
@@ -76,6 +76,9 @@ def kernel(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> QuantLinear | B
     (q - 8) scale + zero, or Int8GroupLinear's two planes)."""
     if block_kernel():
         offset = -8 * d if kind == "Q4_0" else m  # Q4_0: w = d (q - 8)
+        if not exact_in_half(d) or (offset is not None and not exact_in_half(offset)):
+            raise CasspecError(f"a {kind} tensor of the GGUF file has block scales that are not finite float16 "
+                               "values (or overflow at -8 d): the file is corrupt; use another file")
         return BlockLinear(q, d, offset, 8 if kind == "Q8_0" else 4)
     if kind == "Q8_0":
         return Int8GroupLinear.from_codes(q, d, BLOCK)

@@ -11,7 +11,13 @@ from torch import Tensor
 
 BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0 (GGUF's, and the kernel's)
 TILE = 16  # outputs per tile (the kernel's float lanes)
+LAYOUT = 2  # bumped when BlockLinear's tensors change (stored level copies are then built again; 2: float16 scales)
 GROUPS = BLOCK // 4  # groups of 4 inputs per block
+
+
+def exact_in_half(t: Tensor) -> bool:
+    """Whether every value of t is a finite float16 (the kernel's scales are read as float16)."""
+    return bool(torch.equal(t.float().half().float(), t.float()) and torch.isfinite(t.float().half()).all())
 
 
 class BlockLinear:
@@ -20,7 +26,8 @@ class BlockLinear:
 
     Laid out for the kernel: per tile of 16 outputs and block, 8 groups of 4 inputs, each group's 4 codes of the 16
     outputs side by side (8-bit: code + 128, a byte each; 4-bit: group g in the low nibbles, g + 4 in the high ones,
-    as compact as the file's blocks); d and m per tile and block, 16 each."""
+    as compact as the file's blocks); d and m per tile and block, 16 each, in float16 as GGUF stores them (d and m
+    must be float16 values: `exact_in_half`)."""
 
     def __init__(self, q: Tensor, d: Tensor, m: Tensor | None, bits: int, kind: str = "block") -> None:
         out, n_in = q.shape
@@ -33,9 +40,10 @@ class BlockLinear:
             self.codes = (g + 128).to(torch.uint8).contiguous()
         else:
             self.codes = (g[:, :, :GROUPS // 2] | (g[:, :, GROUPS // 2:] << 4)).to(torch.uint8).contiguous()
+        assert exact_in_half(d) and (m is None or exact_in_half(m)), "block scales must be float16 values"
         per_tile = [torch.cat((s.float(), torch.zeros(pad, nb))).reshape(tiles, TILE, nb).transpose(1, 2)
                     for s in [d] + ([] if m is None else [m])]
-        self.scales = torch.stack(per_tile).contiguous()  # [1 or 2, tiles, blocks, 16]: d, then m
+        self.scales = torch.stack(per_tile).half().contiguous()  # [1 or 2, tiles, blocks, 16]: d, then m
         self.out_features = out
         self.bits = bits
         self.kind = kind  # what it stands for: "block" (a GGUF tensor as stored) or a level's quantization kind

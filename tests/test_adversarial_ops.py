@@ -161,15 +161,16 @@ def test_attention_any_shapes_give_sdpa_or_an_error(H, Hkv, T, S, hd, end, mask,
 # ---------------------------------------------------------------------------------------------------- blocks
 def block_args(T=2, tiles=2, blocks=3, four=True, offsets=True, n=None):
     codes = torch.randint(0, 256, (tiles, blocks, 4 if four else 8, 16, 4), dtype=torch.uint8)
-    scales = torch.rand(2 if offsets else 1, tiles, blocks, 16)
+    scales = torch.rand(2 if offsets else 1, tiles, blocks, 16).half()
     return torch.randn(T, 32 * blocks), codes, scales, 16 * tiles if n is None else n
 
 
 def test_block_linear_checks_codes_scales_and_outputs():
     x, codes, scales, n = block_args()
     assert ops.block_linear(x, codes, scales, n).shape == (2, 32)
-    refused(ops.block_linear, x, codes, torch.rand(3, 2, 3, 16), n, match=r"scales \[1 or 2")  # finding: dim 0
-    refused(ops.block_linear, x, codes, torch.rand(0, 2, 3, 16), n, match=r"scales \[1 or 2")
+    refused(ops.block_linear, x, codes, torch.rand(3, 2, 3, 16).half(), n, match=r"scales \[1 or 2")  # finding: dim 0
+    refused(ops.block_linear, x, codes, torch.rand(0, 2, 3, 16).half(), n, match=r"scales \[1 or 2")
+    refused(ops.block_linear, x, codes, scales.float(), n, match="Half expected")  # (float16 scales, as GGUF's)
     refused(ops.block_linear, x, codes, scales[:, :1], n, match=r"scales \[1 or 2, 2, 3, 16\]")
     refused(ops.block_linear, x, codes, scales[:, :, :2], n, match="scales")
     refused(ops.block_linear, x, codes, scales.transpose(1, 2), n, match="scales")
@@ -187,7 +188,8 @@ def test_block_linear_checks_codes_scales_and_outputs():
     refused(ops.block_linear, x.double(), codes, scales, n, match="Float expected")
     refused(ops.block_linear, x, torch.empty(codes.shape, dtype=torch.uint8, device=META), scales, n,
             match="CPU tensor expected")
-    refused(ops.block_linear, x, codes, torch.empty(scales.shape, device=META), n, match="CPU tensor expected")
+    refused(ops.block_linear, x, codes, torch.empty(scales.shape, dtype=torch.half, device=META), n,
+            match="CPU tensor expected")
     empty = block_args(tiles=0)
     refused(ops.block_linear, empty[0], empty[1], empty[2], 0, match="outputs")
 
@@ -197,7 +199,7 @@ def test_block_linear_checks_codes_scales_and_outputs():
        st.integers(-20, 70), st.integers(-1, 1))
 def test_block_linear_any_shapes_give_the_product_or_an_error(T, tiles, blocks, four, planes, n, k_shift):
     codes = torch.randint(0, 256, (tiles, blocks, 4 if four else 8, 16, 4), dtype=torch.uint8)
-    scales = torch.rand(planes, tiles, blocks, 16)
+    scales = torch.rand(planes, tiles, blocks, 16).half()
     x = torch.randn(T, max(0, 32 * blocks + 32 * k_shift))
     try:
         out = ops.block_linear(x, codes, scales, n)

@@ -48,8 +48,8 @@ def test_the_product_is_its_arithmetic_on_every_instruction_set_and_row_by_row(k
     K = 32 * blocks  # (odd block counts too: the kernel pairs blocks)
     lo, hi = (-128, 128) if kind == "Q8_0" else (0, 16)
     q = torch.randint(lo, hi, (N, K), generator=g)
-    d = torch.rand(N, blocks, generator=g) * 0.02
-    m = {"Q4_0": -8 * d, "Q4_1": -torch.rand(N, blocks, generator=g) * 0.1, "Q8_0": None}[kind]
+    d = (torch.rand(N, blocks, generator=g) * 0.02).half().float()  # (float16 scales, as GGUF stores them)
+    m = {"Q4_0": -8 * d, "Q4_1": (-torch.rand(N, blocks, generator=g) * 0.1).half().float(), "Q8_0": None}[kind]
     k = BlockLinear(q, d, m, 8 if kind == "Q8_0" else 4)
     x = torch.randn(T, K, generator=g) * 3
     x[0, :32] = 0  # (an all-zero block: dx = 0)
@@ -64,9 +64,11 @@ def test_the_product_is_its_arithmetic_on_every_instruction_set_and_row_by_row(k
 
 def test_it_reads_the_stored_bytes_and_keeps_other_dtypes():
     q = torch.randint(0, 16, (64, 576))
-    k = BlockLinear(q, torch.rand(64, 18), torch.rand(64, 18), 4)
+    k = BlockLinear(q, torch.rand(64, 18).half().float(), torch.rand(64, 18).half().float(), 4)
     assert k.codes.dtype == torch.uint8 and k.codes.numel() == 64 * 576 // 2  # two weights a byte, as stored
-    assert k.nbytes == 64 * 576 // 2 + 2 * 64 * 18 * 4
-    assert BlockLinear(q - 8, torch.rand(64, 18), None, 8).codes.numel() == 64 * 576  # (8-bit: a byte each)
+    assert k.scales.dtype == torch.float16 and k.nbytes == 64 * 576 // 2 + 2 * 64 * 18 * 2  # (float16 d and m)
+    assert BlockLinear(q - 8, torch.rand(64, 18).half().float(), None, 8).codes.numel() == 64 * 576  # a byte each
+    with pytest.raises(AssertionError):  # scales that are not float16 values
+        BlockLinear(q, torch.full((64, 18), 0.1), None, 4)
     x = torch.randn(3, 576)
     assert k(x.bfloat16()).dtype == torch.bfloat16 and torch.equal(k(x.bfloat16()), k(x.bfloat16().float()).bfloat16())

@@ -47,8 +47,8 @@ def outputs() -> dict[str, torch.Tensor]:
     for bits, offsets in ((4, True), (4, False), (8, False)):
         q = torch.randint(0, 16, (40, 96), generator=gen) if bits == 4 else torch.randint(-128, 128, (40, 96),
                                                                                           generator=gen)
-        d = torch.rand(40, 3, generator=gen)
-        k = BlockLinear(q, d, torch.randn(40, 3, generator=gen) if offsets else None, bits)
+        d = torch.rand(40, 3, generator=gen).half().float()  # (float16 scales, as GGUF stores them)
+        k = BlockLinear(q, d, torch.randn(40, 3, generator=gen).half().float() if offsets else None, bits)
         out[f"blocks {bits} {offsets}"] = torch.cat([k(torch.randn(T, 96, generator=gen)) for T in range(1, 10)])
     return out
 

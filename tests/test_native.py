@@ -66,12 +66,25 @@ def test_a_rows_result_does_not_depend_on_the_row_count(kind):
     g = torch.Generator().manual_seed(0)
     lo, hi = (-128, 128) if kind == "Q8_0" else (0, 16)
     q = torch.randint(lo, hi, (960, 576), generator=g)
-    d = torch.rand(960, 18, generator=g) * 0.01
+    d = (torch.rand(960, 18, generator=g) * 0.01).half().float()  # (float16, as a GGUF file stores it)
     m = -8 * d if kind == "Q4_1" else None
     k = kernel(kind, q, d, m)
     x = torch.randn(16, 576, generator=g)
     for T in (2, 5, 16):
         assert torch.equal(k(x[:T]), torch.cat([k(x[i:i + 1]) for i in range(T)]))
+
+
+@pytest.mark.skipif(build_error() is not None, reason="casspec's block kernel takes float16 scales")
+@pytest.mark.parametrize("kind,bad", [("Q4_0", 9000.0), ("Q4_1", float("nan")), ("Q8_0", float("inf"))])
+def test_block_scales_that_are_no_finite_float16_are_one_clear_error(kind, bad):
+    """A crafted file's scale (NaN, inf, or a Q4_0 scale whose offset -8 d overflows float16) is refused, not
+    multiplied into NaN logits."""
+    q = torch.randint(0, 16, (16, 64))
+    d = torch.full((16, 2), 0.01).half().float()
+    d[3, 1] = bad
+    with pytest.raises(CasspecError, match="block scales") as e:
+        kernel(kind, q, d, d.clone() if kind == "Q4_1" else None)
+    assert "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module", params=TYPES)

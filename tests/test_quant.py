@@ -45,13 +45,14 @@ def ref_dequant(w: torch.Tensor, kind: str, cfg: QuantConfig) -> torch.Tensor:
     """The weight [out, in] each kernel should multiply by, from the documented formulas (not the packed data)."""
     w = w.float()
     out, n_in = w.shape
-    if quant.blocks_for(w, kind, cfg):  # casspec's block kernel: GGUF Q4_1 / Q8_0 blocks of 32, float32 scales
+    if quant.blocks_for(w, kind, cfg):  # casspec's block kernel: GGUF Q4_1 / Q8_0 blocks of 32, float16 scales
         g = w.reshape(out, n_in // 32, 32)
+        half = lambda t: t.half().float()  # noqa: E731
         if kind == "int4":
-            lo, hi = g.amin(2, keepdim=True), g.amax(2, keepdim=True)
-            d = ((hi - lo) / 15).clamp(min=1e-12)
+            lo = half(g.amin(2, keepdim=True))
+            d = half(((g.amax(2, keepdim=True) - lo) / 15).clamp(min=2 ** -24))
             return (((g - lo) / d).round().clamp(0, 15) * d + lo).reshape(out, n_in)
-        d = (g.abs().amax(2, keepdim=True) / 127).clamp(min=1e-12)
+        d = half((g.abs().amax(2, keepdim=True) / 127).clamp(min=2 ** -24))
         return ((g / d).round().clamp(-127, 127) * d).reshape(out, n_in)
     rnd = lambda t: t.to(cfg.act_dtype).float()  # scales are stored in the activation dtype  # noqa: E731
     if kind == "int8":
@@ -259,7 +260,7 @@ def test_nbytes_counts_packed_weights_and_scales(model):
     assert qr.nbytes == q4.nbytes
     if build_error() is None:  # the block kernel: codes per 16 outputs (padded), float32 d (and m) per block of 32
         tiles = lambda o: -(-o // 16) * 16  # noqa: E731
-        blocks = lambda o, i, bits: tiles(o) * i * bits // 8 + tiles(o) * (i // 32) * 4 * (2 if bits == 4 else 1)  # noqa: E731
+        blocks = lambda o, i, bits: tiles(o) * i * bits // 8 + tiles(o) * (i // 32) * 2 * (2 if bits == 4 else 1)  # noqa: E731
         for kind, bits in (("int4", 4), ("int8", 8)):
             qb = quantize_linears(model, QuantConfig(kind, head_kind=None))
             body = sum(blocks(o, i, bits) for o, i in mats) * s.n_layers

@@ -11,6 +11,7 @@
 // every call (batch-invariant by construction).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,8 +37,8 @@ constexpr int kRowTile = 4;  // rows that share each unpacked block (the switch 
 struct Call {
   const uint8_t* codes;
   bool eight;  // 8-bit codes, else 4-bit
-  const float* d;
-  const float* m;  // or nullptr (no offsets)
+  const uint16_t* d;  // float16 bits (as GGUF stores a block's scales; widened exactly)
+  const uint16_t* m;  // or nullptr (no offsets)
   const int8_t* xq;
   const float* dx;
   const float* sx;
@@ -64,6 +65,17 @@ inline int64_t code_bytes(const Call& c) { return c.eight ? kGroups * kTile * 4 
   }
 }
 
+// a float16's bits widened to float32 (exactly), plain; and 8 or 16 of them at once
+inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+__attribute__((target("avx2,f16c"), always_inline)) inline __m256 load8_half(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16_half(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // the 8-bit code of output lane `lane`, input 4 g + j of block b of tile `tile` (signed), plain
 inline int32_t code_plain(const Call& c, int64_t tile, int64_t b, int64_t g, int64_t lane, int64_t j) {
   const uint8_t* w = c.codes + (tile * c.blocks + b) * code_bytes(c);
@@ -78,8 +90,8 @@ template <int R>
 [[gnu::always_inline]] inline void rows_plain(const Call& c, int64_t tile, int64_t t0) {
   float acc[R][kTile] = {}, offs[R][kTile] = {};
   for (int64_t b = 0; b < c.blocks; ++b) {
-    const float* d = c.d + (tile * c.blocks + b) * kTile;
-    const float* m = c.m != nullptr ? c.m + (tile * c.blocks + b) * kTile : nullptr;
+    const uint16_t* d = c.d + (tile * c.blocks + b) * kTile;
+    const uint16_t* m = c.m != nullptr ? c.m + (tile * c.blocks + b) * kTile : nullptr;
     for (int r = 0; r < R; ++r) {
       const int64_t t = t0 + r;
       const int8_t* x = c.xq + t * c.K + b * kBlock;
@@ -90,9 +102,9 @@ template <int R>
             s += code_plain(c, tile, b, g, lane, j) * int32_t{x[4 * g + j]};
           }
         }
-        acc[r][lane] += static_cast<float>(s) * d[lane] * c.dx[t * c.blocks + b];
+        acc[r][lane] += static_cast<float>(s) * half_to_float(d[lane]) * c.dx[t * c.blocks + b];
         if (m != nullptr) {
-          offs[r][lane] += m[lane] * c.sx[t * c.blocks + b];
+          offs[r][lane] += half_to_float(m[lane]) * c.sx[t * c.blocks + b];
         }
       }
     }
@@ -105,7 +117,7 @@ template <int R>
 }
 
 template <int R>
-__attribute__((target("avx2"), always_inline)) inline void rows_avx2(const Call& c, int64_t tile, int64_t t0) {
+__attribute__((target("avx2,f16c"), always_inline)) inline void rows_avx2(const Call& c, int64_t tile, int64_t t0) {
   __m256 acc[R][2], offs[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -128,8 +140,8 @@ __attribute__((target("avx2"), always_inline)) inline void rows_avx2(const Call&
           w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(y, 4), low);
         }
       }
-      const __m256 d = _mm256_loadu_ps(c.d + (tile * c.blocks + b) * kTile + 8 * h);
-      const __m256 m = c.m != nullptr ? _mm256_loadu_ps(c.m + (tile * c.blocks + b) * kTile + 8 * h) : d;
+      const __m256 d = load8_half(c.d + (tile * c.blocks + b) * kTile + 8 * h);
+      const __m256 m = c.m != nullptr ? load8_half(c.m + (tile * c.blocks + b) * kTile + 8 * h) : d;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t t = t0 + r;
@@ -191,8 +203,8 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
         w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(y, 4), low);
       }
     }
-    const __m512 d = _mm512_loadu_ps(c.d + (tile * c.blocks + b) * kTile);
-    const __m512 m = c.m != nullptr ? _mm512_loadu_ps(c.m + (tile * c.blocks + b) * kTile) : d;
+    const __m512 d = load16_half(c.d + (tile * c.blocks + b) * kTile);
+    const __m512 m = c.m != nullptr ? load16_half(c.m + (tile * c.blocks + b) * kTile) : d;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t t = t0 + r;
@@ -250,7 +262,7 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
     }                                                               \
   }
 CASSPEC_RANGE(range_plain, , rows_plain)
-CASSPEC_RANGE(range_avx2, __attribute__((target("avx2"))), rows_avx2)
+CASSPEC_RANGE(range_avx2, __attribute__((target("avx2,f16c"))), rows_avx2)
 CASSPEC_RANGE(range_vnni, __attribute__((target(CASSPEC_VNNI))), rows_vnni)
 #undef CASSPEC_RANGE
 static_assert(kRowTile == 4, "CASSPEC_RANGE's switch takes the last 1-3 rows");
@@ -264,7 +276,7 @@ Isa block_isa() {
         __builtin_cpu_supports("avx512vl")) {
       return kAvx512;
     }
-    return cap >= kAvx2 ? kAvx2 : kPlain;
+    return cap >= kAvx2 && __builtin_cpu_supports("f16c") ? kAvx2 : kPlain;
   }();
   return isa;
 }
@@ -297,13 +309,13 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, 
 }  // namespace
 
 // x [T, K] float32; codes [tiles, blocks, 4 or 8, 16, 4] uint8 (dsia/blockq.py); scales [1 or 2, tiles, blocks,
-// 16] float32 (d, and m where w = d q + m); n: the outputs (<= 16 tiles); isa: -1 the best this CPU has, else 0
+// 16] float16 (d, and m where w = d q + m); n: the outputs (<= 16 tiles); isa: -1 the best this CPU has, else 0
 // plain, 1 AVX2, 2 AVX-512 VNNI (tests). -> [T, n]
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                         int64_t isa) {
   check_tensor(x, "block_linear x [T, K]", at::kFloat, 2);
   check_tensor(codes, "block_linear codes [tiles, blocks, 4 or 8, 16, 4]", at::kByte, 5);
-  check_tensor(scales, "block_linear scales [1 or 2, tiles, blocks, 16]", at::kFloat, 4);
+  check_tensor(scales, "block_linear scales [1 or 2, tiles, blocks, 16]", at::kHalf, 4);
   const int64_t T = x.size(0), K = x.size(1), tiles = codes.size(0), blocks = codes.size(1);
   TORCH_CHECK(codes.is_contiguous() && (codes.size(2) == kGroups || codes.size(2) == kGroups / 2) &&
                   codes.size(3) == kTile && codes.size(4) == 4,
@@ -324,8 +336,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   quantize_rows(xc.data_ptr<float>(), T, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
                 xsum.data_ptr<int32_t>());
   at::Tensor out = at::empty({T, n}, x.options());
-  const Call c{codes.data_ptr<uint8_t>(), codes.size(2) == kGroups, scales.data_ptr<float>(),
-               scales.size(0) == 2 ? scales.data_ptr<float>() + tiles * blocks * kTile : nullptr,
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const Call c{codes.data_ptr<uint8_t>(), codes.size(2) == kGroups, d,
+               scales.size(0) == 2 ? d + tiles * blocks * kTile : nullptr,
                xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), xsum.data_ptr<int32_t>(),
                out.data_ptr<float>(), n, T, K, blocks};
   const Isa use = isa == kAuto ? block_isa() : static_cast<Isa>(isa);

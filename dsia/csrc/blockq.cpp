@@ -1,11 +1,12 @@
 // A GGUF-style block-quantized product on the CPU (torch.ops.casspec.block_linear): weights in blocks of 32 with a
 // scale d (and an offset m, Q4_1) per block, as stored (4-bit codes 0..15 or 8-bit codes), times the activations
 // quantized per row and block to 8 bits (dx per block, as llama.cpp's Q8 activations): integer dot products, then
-// y[t, o] = sum over blocks of d * dx * (codes . xq) + sum over blocks of m * dx * sum(xq).
+// y[t, o] = sum over blocks of d * dx * (codes . xq) + m * dx * sum(xq), each block's two terms fused
+// multiply-adds into one accumulator in block order (acc = fma(codes . xq, d * dx, acc); acc = fma(m, sx, acc)).
 //
 // Outputs go 16 at a time, one per float lane (dsia/blockq.py lays the codes out so: per tile of 16 outputs and
 // block, 8 groups of 4 inputs, each group's 4 bytes for every output side by side), so nothing is summed across
-// lanes; a tile's unpacked block is shared by up to 4 rows. Every row is computed by the same operations in the same
+// lanes; a tile's unpacked block is shared by up to 8 rows. Every row is computed by the same operations in the same
 // order whatever the rows beside it: integer sums are exact, and each lane sums its blocks in order. The AVX-512
 // VNNI, AVX2 and plain loops compute the same lanes, so a row's result is the same bits on every machine and in
 // every call (batch-invariant by construction).
@@ -29,7 +30,7 @@ constexpr int64_t kTile = 16;  // outputs per tile, one per float lane
 constexpr int64_t kGroups = kBlock / 4;  // groups of 4 inputs per block (a 32-bit lane's 4 bytes)
 constexpr int64_t kAheadBytes = 8192;  // how far ahead in the codes (and as many blocks ahead in the scales) a tile's
 // loop prefetches: the native SmolLM2 step's 121 products took 3.3-3.4 ms with it against 3.5-4.0 without (AMD EPYC)
-constexpr int kRowTile = 4;  // rows that share each unpacked block (the switch in CASSPEC_RANGE goes to 3)
+constexpr int kRowTile = 8;  // rows that share each unpacked block on AVX-512 (AVX2's 16 registers: 4)
 
 // A call's operands. codes per (tile, block): 8-bit: 8 groups x 16 outputs x 4 bytes, each code + 128 (0..255);
 // 4-bit: 4 x 16 x 4 bytes, group g in the low nibbles and group g + 4 in the high ones. d, m: [tiles, blocks, 16].
@@ -88,7 +89,7 @@ inline int32_t code_plain(const Call& c, int64_t tile, int64_t b, int64_t g, int
 
 template <int R>
 [[gnu::always_inline]] inline void rows_plain(const Call& c, int64_t tile, int64_t t0) {
-  float acc[R][kTile] = {}, offs[R][kTile] = {};
+  float acc[R][kTile] = {};
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint16_t* d = c.d + (tile * c.blocks + b) * kTile;
     const uint16_t* m = c.m != nullptr ? c.m + (tile * c.blocks + b) * kTile : nullptr;
@@ -102,26 +103,28 @@ template <int R>
             s += code_plain(c, tile, b, g, lane, j) * int32_t{x[4 * g + j]};
           }
         }
-        acc[r][lane] += static_cast<float>(s) * half_to_float(d[lane]) * c.dx[t * c.blocks + b];
+        const float scale = half_to_float(d[lane]) * c.dx[t * c.blocks + b];
+        acc[r][lane] = std::fma(static_cast<float>(s), scale, acc[r][lane]);
         if (m != nullptr) {
-          offs[r][lane] += half_to_float(m[lane]) * c.sx[t * c.blocks + b];
+          acc[r][lane] = std::fma(half_to_float(m[lane]), c.sx[t * c.blocks + b], acc[r][lane]);
         }
       }
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int64_t lane = 0; lane < kTile && tile * kTile + lane < c.N; ++lane) {
-      c.out[(t0 + r) * c.N + tile * kTile + lane] = acc[r][lane] + offs[r][lane];
+      c.out[(t0 + r) * c.N + tile * kTile + lane] = acc[r][lane];
     }
   }
 }
 
 template <int R>
-__attribute__((target("avx2,f16c"), always_inline)) inline void rows_avx2(const Call& c, int64_t tile, int64_t t0) {
-  __m256 acc[R][2], offs[R][2];
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(const Call& c, int64_t tile,
+                                                                                int64_t t0) {
+  __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    acc[r][0] = acc[r][1] = offs[r][0] = offs[r][1] = _mm256_setzero_ps();
+    acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   }
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(-128);
   for (int64_t b = 0; b < c.blocks; ++b) {
@@ -158,11 +161,10 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void rows_avx2(const 
           }
           s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
         }
-        __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), d);
-        f = _mm256_mul_ps(f, _mm256_set1_ps(c.dx[t * c.blocks + b]));
-        acc[r][h] = _mm256_add_ps(acc[r][h], f);
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(c.dx[t * c.blocks + b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][h]);
         if (c.m != nullptr) {
-          offs[r][h] = _mm256_add_ps(offs[r][h], _mm256_mul_ps(m, _mm256_set1_ps(c.sx[t * c.blocks + b])));
+          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(c.sx[t * c.blocks + b]), acc[r][h]);
         }
       }
     }
@@ -170,8 +172,8 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void rows_avx2(const 
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     float y[kTile];
-    _mm256_storeu_ps(y, _mm256_add_ps(acc[r][0], offs[r][0]));
-    _mm256_storeu_ps(y + 8, _mm256_add_ps(acc[r][1], offs[r][1]));
+    _mm256_storeu_ps(y, acc[r][0]);
+    _mm256_storeu_ps(y + 8, acc[r][1]);
     const int64_t n = std::min(kTile, c.N - tile * kTile);
     std::memcpy(c.out + (t0 + r) * c.N + tile * kTile, y, sizeof(float) * n);
   }
@@ -180,10 +182,10 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void rows_avx2(const 
 #define CASSPEC_VNNI "avx512f,avx512bw,avx512vl,avx512vnni"
 template <int R>
 __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const Call& c, int64_t tile, int64_t t0) {
-  __m512 acc[R], offs[R];
+  __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    acc[r] = offs[r] = _mm512_setzero_ps();
+    acc[r] = _mm512_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < c.blocks; ++b) {
@@ -221,11 +223,10 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
       if (c.eight) {  // (code + 128) . x - 128 sum(x)
         s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * c.xsum[t * c.blocks + b]));
       }
-      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), d);
-      f = _mm512_mul_ps(f, _mm512_set1_ps(c.dx[t * c.blocks + b]));
-      acc[r] = _mm512_add_ps(acc[r], f);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(c.dx[t * c.blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
       if (c.m != nullptr) {
-        offs[r] = _mm512_add_ps(offs[r], _mm512_mul_ps(m, _mm512_set1_ps(c.sx[t * c.blocks + b])));
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(c.sx[t * c.blocks + b]), acc[r]);
       }
     }
   }
@@ -233,18 +234,23 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
   const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(c.out + (t0 + r) * c.N + tile * kTile, valid, _mm512_add_ps(acc[r], offs[r]));
+    _mm512_mask_storeu_ps(c.out + (t0 + r) * c.N + tile * kTile, valid, acc[r]);
   }
 }
 
-// tiles [tile0, tile1) of every row, up to kRowTile rows at a time (one function per instruction set: its loops
-// inline, each row tile's accumulators in registers)
-#define CASSPEC_RANGE(NAME, TARGET, ROWS)                           \
+// tiles [tile0, tile1) of every row, up to WIDE rows at a time, then 4, then the last 1-3 (one function per
+// instruction set: its loops inline, each row tile's accumulators in registers; a row's arithmetic is the same in
+// any row tile)
+#define CASSPEC_RANGE(NAME, TARGET, ROWS, WIDE)                     \
   TARGET void NAME(const Call& c, int64_t tile0, int64_t tile1) {   \
     for (int64_t tile = tile0; tile < tile1; ++tile) {              \
       int64_t t0 = 0;                                               \
-      for (; t0 + kRowTile <= c.T; t0 += kRowTile) {                \
-        ROWS<kRowTile>(c, tile, t0);                                \
+      for (; t0 + WIDE <= c.T; t0 += WIDE) {                        \
+        ROWS<WIDE>(c, tile, t0);                                    \
+      }                                                             \
+      if (WIDE > 4 && t0 + 4 <= c.T) {                              \
+        ROWS<4>(c, tile, t0);                                       \
+        t0 += 4;                                                    \
       }                                                             \
       switch (c.T - t0) {                                           \
         case 3:                                                     \
@@ -261,11 +267,11 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
       }                                                             \
     }                                                               \
   }
-CASSPEC_RANGE(range_plain, , rows_plain)
-CASSPEC_RANGE(range_avx2, __attribute__((target("avx2,f16c"))), rows_avx2)
-CASSPEC_RANGE(range_vnni, __attribute__((target(CASSPEC_VNNI))), rows_vnni)
+CASSPEC_RANGE(range_plain, , rows_plain, 4)
+CASSPEC_RANGE(range_avx2, __attribute__((target("avx2,fma,f16c"))), rows_avx2, 4)
+CASSPEC_RANGE(range_vnni, __attribute__((target(CASSPEC_VNNI))), rows_vnni, kRowTile)
 #undef CASSPEC_RANGE
-static_assert(kRowTile == 4, "CASSPEC_RANGE's switch takes the last 1-3 rows");
+static_assert(kRowTile == 4 || kRowTile == 8, "CASSPEC_RANGE takes 4 rows, then the last 1-3");
 
 // the block product's widest path here (ops.h machine_isa): its AVX-512 path needs VNNI, BW and VL besides (else AVX2)
 Isa block_isa() {
@@ -276,7 +282,7 @@ Isa block_isa() {
         __builtin_cpu_supports("avx512vl")) {
       return kAvx512;
     }
-    return cap >= kAvx2 && __builtin_cpu_supports("f16c") ? kAvx2 : kPlain;
+    return cap >= kAvx2 && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? kAvx2 : kPlain;
   }();
   return isa;
 }

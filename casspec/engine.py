@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dsia.errors import CasspecError
-from dsia.cxx import LIBRARY_DTYPES, build_error, built
+from dsia.cxx import LIBRARY_DTYPES, build_error, built, source_digest
 from dsia.fastloop import Stacks, cxx_pointwise
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
@@ -44,7 +44,7 @@ from .levelstore import LevelStore
 from .loading import Loaded, load
 from .methods import Drafters, make_policy
 from .native import WEIGHTS, block_kernel, native_plan
-from .plane import MIN_CONTEXT, Plane, PlaneConfig, levels_plane, plane_key
+from .plane import MIN_CONTEXT, Plane, PlaneConfig, cpu_candidates, levels_plane, plane_key
 from .request import Prompt, Request
 from .state import StateFile
 from .stats import Result, Stats
@@ -142,7 +142,9 @@ class Engine:
             ("native weights (casspec's block kernel)" if native and block_kernel() else "native weights",
              native), ("fused projections", fuse), ("compiled pointwise", compiled),
             ("CUDA graphs", graphs), ("c++ layers", stacked), ("c++ ops", stacked and not compiled),
-            ("batch-invariant", batch_invariant)) if on])
+            ("batch-invariant", batch_invariant),
+            # (its kernels run the levels' quantized products too, wherever it builds)
+            (f"casspec library {source_digest()}", not cuda and build_error() is None)) if on])
         self.cache: KVCache = model.new_cache(model.context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
         self.model = model.with_graphs(self.graphs)
@@ -213,7 +215,7 @@ class Engine:
         default), without a tokenizer, or when the context window is too small to measure in."""
         if self.device.type != "cpu" or self.tokenizer is None or self.cache.capacity < MIN_CONTEXT:
             return None
-        cfg = PlaneConfig()
+        cfg = PlaneConfig(candidates=cpu_candidates())
         key = plane_key(profile_key(machine_info("cpu"), self.name, self._dtype_name, self.build), cfg)
         return levels_plane(self, key, measure, cfg)
 

@@ -43,10 +43,21 @@ PLANE_VERSION = 1  # bumped when what a plane file holds changes (older files ar
 # the candidates on a CPU: the quantized bodies with the int4r head (int4 with the reduced vocabulary too) and the
 # bfloat16 copy; skip, exit and sparsity levels drafted far less exactly there (`casspec levels`, README)
 CPU_CANDIDATES = ("int4", "int4+vocab", "int8", "w8a8", "bf16")
+# where casspec's C++ library builds, int4 and int8 run its block kernel (dsia/quant.py), reading 0.56 / 1.06 bytes a
+# weight where bf16 reads 2 and w8a8 1 (fbgemm's): a one-token draft forward, bound by those bytes, is no cheaper on
+# any CPU in those kinds, so only the block kinds are measured there (2.6 s less of a first use on the AMD EPYC)
+LIBRARY_CANDIDATES = ("int4", "int4+vocab", "int8")
 # generic prompts, none from any benchmark: a prose answer and a code answer, as chat users ask
 MIN_CONTEXT = 256  # the smallest context window a plane is measured in (a prompt, its answer, a verification)
 CALIBRATION = ("Explain how a refrigerator keeps food cold, in a few short paragraphs.",
                "Write a Python function that merges two sorted lists, and explain how it works.")
+
+
+def cpu_candidates() -> tuple[str, ...]:
+    """The levels a CPU's plane measures: the block kinds where casspec's library builds, else torch's kinds too."""
+    from dsia.cxx import build_error
+
+    return LIBRARY_CANDIDATES if build_error() is None else CPU_CANDIDATES
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ torch's own kernels instead."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -17,6 +18,16 @@ LIBRARY_DTYPES = (torch.float32, torch.bfloat16)  # what the library's dense pro
 ISAS = ("plain", "avx2", "avx512")  # what the environment's CASSPEC_ISA may name: the widest path the ops run (ops.h)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "ops.cpp", "blockq.cpp", "dense.cpp")]
 EXTENSION = "casspec_layers"  # the built library's name
+
+
+@functools.cache
+def source_digest() -> str:
+    """A short digest of the library's sources (headers included): what was measured of its kernels on a machine
+    (latency profiles, levels planes) is measured again when they change."""
+    h = hashlib.sha256()
+    for path in sorted((Path(__file__).parent / "csrc").iterdir()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def check_isa_env() -> None:

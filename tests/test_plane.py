@@ -84,9 +84,9 @@ def cache(tmp_path, monkeypatch):
 def small_plane(monkeypatch):
     """A quick plane (three candidates, short answers), counting its measurements."""
     cfg = PlaneConfig(candidates=("int8", "int4+vocab", "bf16"), max_new_tokens=12, repeats=2)
-    monkeypatch.setattr(plane_mod, "PlaneConfig", lambda: cfg)
+    monkeypatch.setattr(plane_mod, "PlaneConfig", lambda **kw: cfg)
     from casspec import engine as engine_mod
-    monkeypatch.setattr(engine_mod, "PlaneConfig", lambda: cfg)
+    monkeypatch.setattr(engine_mod, "PlaneConfig", lambda **kw: cfg)  # (whatever candidates this CPU would measure)
     measured = []
     real = plane_mod.measure
 
@@ -163,3 +163,15 @@ def test_the_request_levels_override_the_plane():
     assert d.sources(Request(method="dytc")) == [("bf16", 0), ("int4", 0)]
     assert d.describe(Request(method="sd", level="int8")) == "int8"
     assert d.describe(Request(method="ar")) == ""
+
+
+def test_a_cpu_with_casspecs_library_measures_the_block_kinds_only(monkeypatch):
+    """int4 / int8 on the block kernel read fewer bytes a weight than bf16 or w8a8 on any CPU; without the library
+    torch's kinds are candidates too."""
+    from dsia import cxx
+
+    assert plane_mod.cpu_candidates() == (plane_mod.LIBRARY_CANDIDATES if cxx.build_error() is None
+                                          else plane_mod.CPU_CANDIDATES)
+    monkeypatch.setattr(cxx, "build_error", lambda: "no compiler")
+    assert plane_mod.cpu_candidates() == plane_mod.CPU_CANDIDATES
+    assert set(plane_mod.LIBRARY_CANDIDATES) < set(plane_mod.CPU_CANDIDATES)

@@ -26,6 +26,9 @@ import struct
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
+from typing import Iterable
+
+import numpy as np
 
 from dsia.errors import CasspecError
 
@@ -286,6 +289,18 @@ class GGUFFile:
             raise CasspecError(f"{self.path} is empty, not a GGUF file: re-download it")
         with mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ) as m:
             return check_gguf(m, str(self.path))
+
+    def tensor_bytes(self, header: GGUFHeader, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """The stored bytes [rows, row bytes] of the named tensors of `header` (this file's, checked: each lies
+        inside the file), as copies."""
+        wanted, out = set(names), {}
+        with mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            for t in header.tensors:
+                if t.name in wanted:
+                    view = np.frombuffer(m, np.uint8, t.n_bytes, header.data_start + t.offset)
+                    out[t.name] = view.reshape(t.n_elements // t.dims[0], -1).copy()
+                    del view  # (the map cannot close while a view of it is alive)
+        return out
 
     def check_unchanged(self, sha256: str) -> None:
         """A CasspecError if the open file was written to since it was opened: its size or time, or its bytes (hashed

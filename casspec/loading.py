@@ -1,9 +1,10 @@
 """Loading checkpoints from local files only: an HF folder, a .gguf file, or the embedded default.
 
-A GGUF is dequantized by transformers (~15 s for SmolLM2) and cached as safetensors in a user-cache entry keyed by
-its sha256, so later starts load in well under a second. The GGUF is opened once: casspec's bounded reader
-(ggufcheck.py) checks it before transformers' reader opens that same open file (/proc/self/fd/N), and a change
-meanwhile is an error: the entry holds the bytes that were hashed. The entry is built under a lock in a private
+A GGUF is dequantized (its weights by casspec's reader, ggufweights.py, where it takes the file, else by transformers;
+the tokenizer and config by transformers: 7 s for SmolLM2) and cached as safetensors in a user-cache entry keyed by
+its sha256, so later starts load in well under 2 s. The GGUF is opened once: casspec's bounded reader (ggufcheck.py)
+checks it before transformers' reader opens that same open file (/proc/self/fd/N), and a change meanwhile is an
+error: the entry holds the bytes that were hashed. The entry is built under a lock in a private
 folder renamed into place (usercache.py); each load checks every file its manifest lists against its sha256 (the
 weights from the bytes loaded) and refuses unlisted or foreign files: a corrupt entry is rebuilt with one warning
 line. An unwritable cache (a file, read-only, a full disk) is no error: the run goes uncached, with one warning line.
@@ -14,7 +15,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -30,7 +30,7 @@ from dsia.errors import CasspecError, warn  # noqa: E402
 from dsia.model import Transformer  # noqa: E402
 from dsia.spec import ModelSpec, check_config_fields  # noqa: E402
 
-from .ggufcheck import GGUFFile, GGUFHeader  # noqa: E402
+from .ggufcheck import GGUFFile  # noqa: E402
 from .usercache import (UNWRITABLE, ChecksumError, digest, entry_problem, file_record, locked,  # noqa: E402
                         new_build_folder, owned, read_manifest, remove, remove_stale_builds, swap_in)
 from .weights import LAYER, generation_eos, missing_tensors, read_config, read_runtime  # noqa: E402
@@ -43,7 +43,6 @@ CACHE_MANIFEST = "casspec-cache.json"
 CACHE_VERSION = 3  # in the entry's name. 3: every file checked against its sha256 on every load, none unlisted
 # (2: a file's sha256 checked only when its mtime changed; 1: sizes only)
 LEVELS = "levels"  # the entry's subfolder of level weights (casspec/levelstore.py), beside the listed files
-GGUF_LAYER = re.compile(r"blk\.(\d+)\.")  # a layer's tensor names in a GGUF
 
 
 @dataclass
@@ -205,19 +204,6 @@ def _entry_weights(entry: Path, sha: str, hf: bool, check: bool = True) -> tuple
     return weights, problem
 
 
-def _gguf_float32_bytes(header: GGUFHeader, gguf: Path) -> int:
-    """Bytes of the GGUF's tensors in float32 (what the cache entry holds), after checking that no layer lies beyond
-    its block count (transformers would drop it without a word)."""
-    arch = header.fields.get("general.architecture")
-    blocks = header.fields.get(f"{arch.decode('utf-8', 'replace')}.block_count") if isinstance(arch, bytes) else None
-    if isinstance(blocks, int) and not isinstance(blocks, bool):
-        extra = sorted(t.name for t in header.tensors if (m := GGUF_LAYER.match(t.name)) and int(m.group(1)) >= blocks)
-        if extra:
-            raise CasspecError(f"GGUF file {gguf} holds {extra[0]}, a layer beyond its block count {blocks}: it may be "
-                               "corrupt; re-download it")
-    return 4 * sum(t.n_elements for t in header.tensors)
-
-
 def _build_folder(entry: Path, need: int) -> Path | None:
     """A fresh, private build folder beside `entry` with `need` bytes free, made before the long dequantization;
     None, with one warning line, when the cache cannot take the entry (the run then goes uncached)."""
@@ -237,18 +223,20 @@ def _build_folder(entry: Path, need: int) -> Path | None:
     return tmp
 
 
-def _save_entry(model: torch.nn.Module, tokenizer, gguf: Path, sha: str, tmp: Path) -> None:
-    """Write the dequantized model to `tmp` as a float32 safetensors checkpoint with its manifest."""
+def _save_entry(state: dict[str, torch.Tensor], config, generation_config, tokenizer, gguf: Path, sha: str,
+                tmp: Path) -> None:
+    """Write the dequantized weights (transformers' names) to `tmp` as a float32 safetensors checkpoint with its
+    config, generation config, tokenizer and manifest."""
     from safetensors.torch import save_file
 
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
+    state = {k: v.contiguous() for k, v in state.items()}
+    if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the embedding is the head
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    config = model.config.to_dict()
+    config = config.to_dict()
     config.pop("quantization_config", None)  # the cached copy is a plain float32 checkpoint
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    model.generation_config.save_pretrained(tmp)
+    generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     files = {p.name: file_record(p) for p in sorted(tmp.iterdir())}
     (tmp / CACHE_MANIFEST).write_text(json.dumps(
@@ -256,16 +244,21 @@ def _save_entry(model: torch.nn.Module, tokenizer, gguf: Path, sha: str, tmp: Pa
 
 
 def _build_gguf_cache(src: GGUFFile, sha: str, entry: Path) -> tuple[torch.nn.Module, object] | None:
-    """Dequantize the GGUF with transformers and save it as a float32 safetensors checkpoint in `entry`; None when
-    it was saved, else (model, tokenizer) as dequantized in memory (the cache could not take it: one warning line,
-    and the run goes uncached rather than failing after the dequantization). Run under the entry's lock."""
+    """Dequantize the GGUF and save it as a float32 safetensors checkpoint in `entry` (the weights by casspec's own
+    reader where it takes the file, ggufweights.py, else by transformers; the tokenizer and config by transformers);
+    None when it was saved, else (model, tokenizer) as dequantized in memory (the cache could not take it: one
+    warning line, and the run goes uncached rather than failing after the dequantization). Run under the entry's
+    lock."""
     _need("gguf", "accelerate")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from transformers.utils import logging as hf_logging
 
+    from .ggufweights import float32_bytes, hf_model, state_dict
+
     gguf = src.path
-    need = _gguf_float32_bytes(src.header(), gguf)  # (the bounded check, before any other reader opens the file)
+    header = src.header()  # (the bounded check, before any other reader opens the file)
+    need = float32_bytes(header, gguf)
     tmp = _build_folder(entry, need)
     print(f"casspec: dequantizing {gguf.name}" + (f" once (cached in {entry})" if tmp else ""), file=sys.stderr)
     hf_logging.enable_progress_bar()
@@ -273,10 +266,16 @@ def _build_gguf_cache(src: GGUFFile, sha: str, entry: Path) -> tuple[torch.nn.Mo
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
         config = _checked_config(folder, gguf_file=file)
-        model, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=config, dtype=torch.float32,
-                                                           attn_implementation="sdpa", output_loading_info=True)
+        state = None if tmp is None else state_dict(src, header, config)
+        if state is None:  # transformers reads the weights (another architecture or type; or kept in memory)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=file, config=config, dtype=torch.float32, attn_implementation="sdpa",
+                output_loading_info=True)
+            _check_loading_info(info)
+            state, generation = model.state_dict(), model.generation_config
+        else:
+            model, generation = None, GenerationConfig.from_model_config(config)
         src.check_unchanged(sha)
-        _check_loading_info(info)
     except Exception as e:  # noqa: BLE001 - the GGUF reader raises many kinds of errors on bad files
         if tmp is not None:
             remove(tmp)
@@ -287,14 +286,14 @@ def _build_gguf_cache(src: GGUFFile, sha: str, entry: Path) -> tuple[torch.nn.Mo
     if tmp is None:
         return model, tokenizer
     try:
-        _save_entry(model, tokenizer, gguf, sha, tmp)
+        _save_entry(state, config, generation, tokenizer, gguf, sha, tmp)
         swap_in(tmp, entry)
     except OSError as e:  # e.g. the disk filled up while writing
         remove(tmp)
         warn(f"cannot write the model cache in {entry.parent} ({e.strerror or _one_line(e)}; it needs about "
              f"{need / 1e9:.2f} GB free): running uncached; free space or set CASSPEC_CACHE to another folder",
              UNWRITABLE)
-        return model, tokenizer
+        return model if model is not None else hf_model(state, config), tokenizer
     return None
 
 

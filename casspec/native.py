@@ -10,8 +10,9 @@ method verifies against it, and every level is a plan over it (what a level does
 
 The dense float32 weights the loader dequantized from the same file stay loaded: the blocks are matched to them
 row for row (which also undoes llama.cpp's reordering of the q/k rows for RoPE), and levels that build from
-weights (a quantized copy, a sparse gather) read them. The file is checked by casspec's bounded reader
-(casspec/ggufcheck.py) before gguf's reader opens it (the same open file).
+weights (a quantized copy, a sparse gather) read them. The blocks are read by casspec's bounded reader
+(casspec/ggufcheck.py: each tensor's bytes checked to lie inside the file), not by gguf's reader, whose parse of the
+whole header (the tokenizer's arrays) cost about 3 s a start.
 """
 from __future__ import annotations
 
@@ -107,30 +108,29 @@ def _row_order(native: Tensor, dense: Tensor, name: str) -> Tensor:
 def native_plan(gguf: Path, model: Transformer) -> Plan:
     """The target's kernels from the GGUF's stored blocks (module docstring); the model holds the dense weights
     loaded from the same file."""
-    from gguf import GGUFReader
-
     if model.device.type != "cpu":
         raise CasspecError("--weights native runs torch's packed CPU kernels: use --device cpu (or --weights float)")
+    names = {f"blk.{i}.{g}.weight": (i, p) for i in range(model.spec.n_layers) for g, p in PROJECTIONS.items()}
     with GGUFFile(gguf) as src:
-        src.header()  # casspec's bounded check first (ggufcheck.py), then gguf's reader, of the same open file
-        tensors = {t.name: t for t in GGUFReader(str(src.reader_path)).tensors}
+        header = src.header()  # casspec's bounded reader (ggufcheck.py): the tensors' bytes lie inside the file
+        tensors = {t.name: t for t in header.tensors}
+        names["output.weight" if "output.weight" in tensors else "token_embd.weight"] = "head"
+        raw = src.tensor_bytes(header, [n for n in names if n in tensors and tensors[n].kind in NATIVE_TYPES])
     stored = {}  # (layer, projection) or "head" -> (kind, q, d, m) in the runtime's row order
     targets = {(i, p): w for i, lw in enumerate(model.layers) for p, w in lw.projections().items()}
     targets["head"] = model.lm_head
-    names = {f"blk.{i}.{g}.weight": (i, p) for i in range(model.spec.n_layers) for g, p in PROJECTIONS.items()}
-    names["output.weight" if "output.weight" in tensors else "token_embd.weight"] = "head"
     for name, key in names.items():
         t = tensors.get(name)
         if t is None:
             raise CasspecError(f"{gguf} has no tensor {name}: --weights native needs every projection; use "
                                "--weights float")
-        kind = t.tensor_type.name
+        kind = t.kind
         if kind in DENSE_TYPES:
             continue
         if kind not in NATIVE_TYPES:
             raise CasspecError(f"--weights native runs {', '.join(NATIVE_TYPES)} tensors, and {name} is {kind}: "
                                "use --weights float (dequantized)")
-        q, d, m = decode_blocks(kind, t.data)
+        q, d, m = decode_blocks(kind, raw.pop(name))
         dense = targets[key].float().cpu()
         if q.shape != dense.shape:
             raise CasspecError(f"the GGUF tensor {name} has shape {tuple(q.shape)} where the model has "

@@ -213,11 +213,9 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
       const int8_t* x = c.xq + t * c.K + b * kBlock;
       __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // (two chains: exact either way)
 #pragma GCC unroll 8
-      for (int64_t g = 0; g < kGroups; g += 2) {
-        int32_t four[2];
-        std::memcpy(four, x + 4 * g, 8);
-        even = _mm512_dpbusd_epi32(even, w[g], _mm512_set1_epi32(four[0]));
-        odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_set1_epi32(four[1]));
+      for (int64_t g = 0; g < kGroups; g += 2) {  // (each group's 4 activation bytes broadcast from memory)
+        even = _mm512_dpbusd_epi32(even, w[g], _mm512_broadcastd_epi32(_mm_loadu_si32(x + 4 * g)));
+        odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_broadcastd_epi32(_mm_loadu_si32(x + 4 * g + 4)));
       }
       __m512i s = _mm512_add_epi32(even, odd);
       if (c.eight) {  // (code + 128) . x - 128 sum(x)

@@ -26,8 +26,8 @@ On a CPU where casspec's C++ library builds (and group_size is 32), int8, int4, 
 casspec's own block kernel instead (dsia/blockq.py, as the native target's GGUF blocks): int4 as Q4_1 blocks (w = d q
 + m per 32 inputs), int8 and int8g as Q8_0 blocks (w = d q per 32 inputs), times the activations quantized to 8 bits
 per block, with AVX-512 VNNI, AVX2 and plain paths giving the same bits; the weights are read once for all the rows
-of a call. On the AMD EPYC it was built on, SmolLM2's products took 1.4 ms (int4) / 1.8 ms (int8) at one token
-against torch's packed kernels' 2.7 / 2.9 ms, and 9.6 / 10.2 ms at 16 tokens against 14.7 / 16.6 ms.
+of a call. On the AMD EPYC it was built on, SmolLM2's products took 1.4 ms (int4) / 1.7 ms (int8) at one token
+against torch's packed kernels' 2.7 / 2.9 ms, and 7.1 / 7.2 ms at 16 tokens against 14.7 / 16.6 ms.
 QuantConfig(blocks=False) keeps torch's kernels (the formulas above).
 
 A matrix whose shape a kernel cannot take (int4/int8g: out % 16, in % group_size; nf4: out % 32, in % group_size)

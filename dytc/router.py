@@ -37,11 +37,16 @@ them again; quantized, sparse and vocabulary levels write every layer and are re
 
 Fallback: when even the best first action does not beat AR, the step verifies the root alone (counted as a
 fallback step). After `explore_every` fallbacks in a row one tree is drafted anyway, so that the estimates keep
-learning. Sampling: every drafted token is deterministic (q one-hot); the engine verifies such trees with
-`verify.verify_coupled` (position-owned Gumbel noise), which is lossless whatever was drafted.
+learning; and a routed level not drafted with for `explore_level_after` steps takes the next step's first action
+(its own best one), so that an estimate that would otherwise never be tested again is (a bounded cost: one step in
+that many at most, and only levels whose chain, were every token accepted, is predicted to beat AR; `explore_steps`
+and the predicted throughput each gave up, `explore_loss`, are reported). Sampling: every drafted token is
+deterministic (q one-hot); the engine verifies such trees with `verify.verify_coupled` (position-owned Gumbel
+noise), which is lossless whatever was drafted.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterator
@@ -76,6 +81,8 @@ class RouterConfig:
     review_tokens: int = 6  # most lookup tokens a level's forward reviews at once
     fallback: bool = True  # verify the root alone when no tree is predicted to beat AR
     explore_every: int = 16  # after this many fallbacks in a row, draft one tree anyway
+    explore_level_after: int | None = 64  # a routed level not drafted with for this many steps drafts the next
+    # step's first action (its best one), so that an estimate it never tests is tested (None: never forced)
     constant_cost: float | None = None  # ablation: no latency predictor; a verification costs one target step
     # whatever its size, a level forward this fraction of it whatever its tokens (None: the fitted predictor)
 
@@ -98,6 +105,9 @@ class DyTC(Policy):
         self.outcomes: dict[str, list[int]] = {}  # source -> [tested, accepted] in this generation
         self.predicted_draft_ms = 0.0
         self.measured_draft_ms = 0.0
+        self.last_drafted: dict[str, int] = {name: 0 for name in self.levels}  # level -> the step it last drafted in
+        self.explore_steps = 0  # steps whose first action a level was forced to take
+        self.explore_loss = 0.0  # their predicted cost: the throughput given up against the best first action, summed
 
     # ------------------------------------------------------------------ lifecycle
     def begin(self, ctx: DraftContext) -> None:
@@ -132,6 +142,8 @@ class DyTC(Policy):
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
                 "predicted_draft_ms": round(self.predicted_draft_ms, 1),
                 "measured_draft_ms": round(self.measured_draft_ms, 1),
+                "explore_steps": self.explore_steps,  # and the predicted throughput each gave up, on average
+                "explore_loss": round(self.explore_loss / self.explore_steps, 4) if self.explore_steps else 0.0,
                 "estimate_origins": {s: self.tracker.origins[s] for s in self.levels if s in self.tracker.origins}}
 
     # ------------------------------------------------------------------ costs
@@ -170,11 +182,18 @@ class DyTC(Policy):
         n_max = max(1, min(cfg.max_nodes, ctx.room))
         step = self.step = self.new_step(ctx, n_max)
         self.steps += 1
+        forced = self._stale_level(step)
         while len(step.tree) < n_max:
+            first = len(step.tree) == 1
             act = self.best_action(ctx, step, n_max)
             if act is None:
                 break
-            first = len(step.tree) == 1
+            if first and forced is not None:  # explore: the stale level's best first action, its cost counted
+                mine = self.best_action(ctx, step, n_max, only=forced)
+                if mine is not None and mine.source != act.source:
+                    self.explore_steps += 1
+                    self.explore_loss += max(0.0, 1.0 - mine.rate / act.rate)
+                    act = dataclasses.replace(mine, rate=max(mine.rate, step.rate + 1e-12))  # (even below AR's)
             if act.rate <= step.rate:
                 if not first:
                     break
@@ -184,6 +203,8 @@ class DyTC(Policy):
             if first:
                 self.fallbacks_in_row = 0
             size = len(step.tree)
+            if act.source in self.levels:
+                self.last_drafted[act.source] = self.steps
             self._execute(ctx, step, act)
             if len(step.tree) <= size:  # no growth (every candidate token already a child): stop here
                 break
@@ -192,8 +213,24 @@ class DyTC(Policy):
         self.tree_sizes.append(len(step.tree))
         return step.tree
 
-    def best_action(self, ctx: DraftContext, step: Step, n_max: int) -> Action | None:
-        """The action with the best resulting throughput over the most probable nodes (None: no node can grow)."""
+    def _stale_level(self, step: Step) -> str | None:
+        """The routed level drafted with longest ago, where that is over `explore_level_after` steps ago, among those
+        that could pay: a chain of k of its tokens, every one accepted, beats AR for some k (a level whose forward
+        costs about a target step never pays, whatever its acceptance: it is not explored)."""
+        after = self.cfg.explore_level_after
+        if after is None or len(self.levels) < 2:
+            return None
+        V, ks = step.verify_ms, range(1, min(self.cfg.lookahead, len(step.verify_ms) - 2) + 1)
+        could_pay = [n for n in self.levels
+                     if any((1 + k) / (k * step.level_ms[n][1] + V[1 + k]) > 1 / V[1] for k in ks)]
+        if not could_pay:
+            return None
+        name = min(could_pay, key=lambda n: self.last_drafted[n])
+        return name if self.steps - self.last_drafted[name] > after else None
+
+    def best_action(self, ctx: DraftContext, step: Step, n_max: int, only: str | None = None) -> Action | None:
+        """The action with the best resulting throughput over the most probable nodes (None: no node can grow);
+        only: the best action of that level alone."""
         tree, max_depth = step.tree, ctx.room - 1
         has_child = [False] * len(tree)
         for c in range(1, len(tree)):
@@ -212,8 +249,9 @@ class DyTC(Policy):
             considered = False
             for act in self._level_actions(step, expected, n, not has_child[n], n_max, max_depth):
                 considered = True
-                best = act if best is None or act.rate > best.rate else best
-            if not has_child[n]:
+                if only is None or act.source == only:
+                    best = act if best is None or act.rate > best.rate else best
+            if not has_child[n] and only is None:
                 for act in self._lookup_actions(step, expected, n, n_max, max_depth):
                     considered = True
                     best = act if best is None or act.rate > best.rate else best

@@ -144,6 +144,41 @@ def test_the_router_drafts_first_with_the_level_measured_to_agree_more(better):
     assert router.best_action(ctx, router.new_step(ctx, 32), 32).source == better
 
 
+@pytest.mark.parametrize("after,int4_ms", [(3, 5.0), (None, 5.0), (3, 60.0)], ids=["explores", "off", "too-dear"])
+def test_a_level_a_wrong_estimate_keeps_out_is_tried_within_a_generation(after, int4_ms):
+    """int4 seeded far too low (0.2) never wins on value, so it would never be tested; forced after `after` steps
+    without it, it drafts (its tokens then meet the target's verification, which moves its estimate) -- unless its
+    forward costs more than a target step (it could never pay)."""
+    e = tiny_engine("llama", 0)
+    pts = [Point(name, t, c, tree, base + (t - 1)) for name, base in ((TARGET_LEVEL, 50.0), ("int4", int4_ms),
+                                                                       ("int8", 5.0))
+           for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) for c in (64, 128) for tree in (False, True)]
+    tracker = AcceptanceTracker()
+    tracker.seed({"int4": 0.2, "int8": 0.95}, "a wrong plane")
+    cfg = RouterConfig(levels=("int8", "int4"), lookups=(), explore_level_after=after)
+    router = DyTC([e.levels.get("int8"), e.levels.get("int4")], tracker, cfg)
+    prompt = [5, 6, 7, 8, 9, 10]
+    ar = e.generate_ids(prompt, Request(max_new_tokens=24)).token_ids
+    e.cache.rollback(0)
+    e.extend_prefix(prompt)
+    ctx = DraftContext(e.model, e.cache, prompt + [11], SamplingParams(), None, e.eos_ids, budget=50,
+                       latency=LatencyModel.fit(FeatureSpec(), pts))
+    router.begin(ctx)
+    sources = []
+    for _ in range(8):
+        router.draft(ctx)
+        sources += [node.source for node in router.step.nodes[1:]]
+    report = router.report()
+    if after is None or int4_ms > 50.0:
+        assert "int4" not in sources and report["explore_steps"] == 0
+    else:
+        assert "int4" in sources and 1 <= report["explore_steps"] <= 8 // after + 1
+        assert 0.0 <= report["explore_loss"] <= 1.0
+    # and whatever it explores, the output stays the target's own
+    req = Request(max_new_tokens=24, method="dytc", levels=("int8", "int4"))
+    assert e.generate_ids(prompt, req).token_ids == ar
+
+
 def _lookup_reference(hist: list[int], extra: list[int], k: int, eos: int, max_ngram: int = 3) -> list[int]:
     """Brute force: the longest suffix n-gram of hist + extra with an occurrence in hist followed by a hist token;
     copy after its leftmost occurrence, cut before EOS (an empty cut proposes nothing, as in HF)."""

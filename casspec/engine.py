@@ -141,9 +141,8 @@ class Engine:
         self.build = "; ".join([dense.describe()] + [name for name, on in (
             ("native weights (casspec's block kernel)" if native and block_kernel() else "native weights",
              native), ("fused projections", fuse), ("compiled pointwise", compiled),
-            ("CUDA graphs", graphs), ("c++ layers", stacked), ("c++ ops", stacked and not compiled),
-            ("batch-invariant", batch_invariant),  # (the library runs the levels' block products wherever it builds)
-            (f"casspec library {source_digest()}", not cuda and build_error() is None)) if on])
+            ("CUDA graphs", graphs), ("c++ layers", stacked), ("c++ ops", stacked and not compiled), ("batch-invariant",
+            batch_invariant), (f"casspec library {source_digest()}", not cuda and build_error() is None)) if on])
         self.cache: KVCache = model.new_cache(model.context, spare=BUCKETS[-1] if graphs else 0)
         self.graphs = Graphs(model, self.cache) if graphs else None
         self.model = model.with_graphs(self.graphs)

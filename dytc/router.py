@@ -37,18 +37,14 @@ them again; quantized, sparse and vocabulary levels write every layer and are re
 
 Fallback: when even the best first action does not beat AR, the step verifies the root alone (counted as a
 fallback step). After `explore_every` fallbacks in a row one tree is drafted anyway, so that the estimates keep
-learning; and a routed level not drafted with for `explore_level_after` steps takes the next step's first action
-(its own best one), so that an estimate that would otherwise never be tested again is (a bounded cost: one step in
-that many at most, and only levels whose chain, were every token accepted, is predicted to beat AR; `explore_steps`
-and the predicted throughput each gave up, `explore_loss`, are reported). Sampling: every drafted token is
-deterministic (q one-hot); the engine verifies such trees with `verify.verify_coupled` (position-owned Gumbel
-noise), which is lossless whatever was drafted.
+learning; a level not drafted with for `explore_level_after` steps takes a step's first action (`_stale_level`).
+Sampling: every drafted token is deterministic (q one-hot); the engine verifies such trees with
+`verify.verify_coupled` (position-owned Gumbel noise), which is lossless whatever was drafted.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
@@ -81,8 +77,7 @@ class RouterConfig:
     review_tokens: int = 6  # most lookup tokens a level's forward reviews at once
     fallback: bool = True  # verify the root alone when no tree is predicted to beat AR
     explore_every: int = 16  # after this many fallbacks in a row, draft one tree anyway
-    explore_level_after: int | None = 64  # a routed level not drafted with for this many steps drafts the next
-    # step's first action (its best one), so that an estimate it never tests is tested (None: never forced)
+    explore_level_after: int | None = 64  # steps without a level before it is forced (_stale_level; None: never)
     constant_cost: float | None = None  # ablation: no latency predictor; a verification costs one target step
     # whatever its size, a level forward this fraction of it whatever its tokens (None: the fitted predictor)
 
@@ -106,8 +101,7 @@ class DyTC(Policy):
         self.predicted_draft_ms = 0.0
         self.measured_draft_ms = 0.0
         self.last_drafted: dict[str, int] = {name: 0 for name in self.levels}  # level -> the step it last drafted in
-        self.explore_steps = 0  # steps whose first action a level was forced to take
-        self.explore_loss = 0.0  # their predicted cost: the throughput given up against the best first action, summed
+        self.explore_steps, self.explore_loss = 0, 0.0  # steps a level was forced into; throughput they gave up
 
     # ------------------------------------------------------------------ lifecycle
     def begin(self, ctx: DraftContext) -> None:
@@ -140,10 +134,9 @@ class DyTC(Policy):
                 "acceptance_by_source": {s: (k / n if n else 0.0) for s, (n, k) in self.outcomes.items()},
                 "tested_by_source": {s: n for s, (n, _) in self.outcomes.items()},
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
-                "predicted_draft_ms": round(self.predicted_draft_ms, 1),
+                "predicted_draft_ms": round(self.predicted_draft_ms, 1), "explore_steps": self.explore_steps,
                 "measured_draft_ms": round(self.measured_draft_ms, 1),
-                "explore_steps": self.explore_steps,  # and the predicted throughput each gave up, on average
-                "explore_loss": round(self.explore_loss / self.explore_steps, 4) if self.explore_steps else 0.0,
+                "explore_loss": round(self.explore_loss / max(self.explore_steps, 1), 4),
                 "estimate_origins": {s: self.tracker.origins[s] for s in self.levels if s in self.tracker.origins}}
 
     # ------------------------------------------------------------------ costs
@@ -193,7 +186,7 @@ class DyTC(Policy):
                 if mine is not None and mine.source != act.source:
                     self.explore_steps += 1
                     self.explore_loss += max(0.0, 1.0 - mine.rate / act.rate)
-                    act = dataclasses.replace(mine, rate=max(mine.rate, step.rate + 1e-12))  # (even below AR's)
+                    act = replace(mine, rate=max(mine.rate, step.rate + 1e-12))  # (even below AR's)
             if act.rate <= step.rate:
                 if not first:
                     break
@@ -214,19 +207,17 @@ class DyTC(Policy):
         return step.tree
 
     def _stale_level(self, step: Step) -> str | None:
-        """The routed level drafted with longest ago, where that is over `explore_level_after` steps ago, among those
-        that could pay: a chain of k of its tokens, every one accepted, beats AR for some k (a level whose forward
-        costs about a target step never pays, whatever its acceptance: it is not explored)."""
-        after = self.cfg.explore_level_after
-        if after is None or len(self.levels) < 2:
+        """Exploration: the routed level drafted with longest ago, where that is over `explore_level_after` steps ago,
+        among those whose chain of k tokens, all accepted, beats AR for some k (a level costing a target step is not
+        forced); it takes the step's first action, so that an estimate never tested otherwise is (at most one step
+        in that many; `explore_steps` and `explore_loss`, the predicted throughput each gave up, are reported)."""
+        if (after := self.cfg.explore_level_after) is None or len(self.levels) < 2:
             return None
         V, ks = step.verify_ms, range(1, min(self.cfg.lookahead, len(step.verify_ms) - 2) + 1)
         could_pay = [n for n in self.levels
                      if any((1 + k) / (k * step.level_ms[n][1] + V[1 + k]) > 1 / V[1] for k in ks)]
-        if not could_pay:
-            return None
-        name = min(could_pay, key=lambda n: self.last_drafted[n])
-        return name if self.steps - self.last_drafted[name] > after else None
+        name = min(could_pay, key=lambda n: self.last_drafted[n], default=None)
+        return name if name is not None and self.steps - self.last_drafted[name] > after else None
 
     def best_action(self, ctx: DraftContext, step: Step, n_max: int, only: str | None = None) -> Action | None:
         """The action with the best resulting throughput over the most probable nodes (None: no node can grow);

@@ -387,8 +387,8 @@ def _engine_stats(ans: list[Answer]) -> dict:
         out["policy_ms_per_step"] = policy_ms_per_step(out["draft_seconds"], out["draft_forward_seconds"], steps)
     reports = [st["policy"] for st in turns if st.get("policy")]
     if reports:  # dytc: fallbacks, tokens and acceptance per source, predicted vs measured draft time
-        pol: dict = {k: sum(r.get(k, 0) for r in reports) for k in ("steps", "fallback_steps", "explore_steps",
-                                                                    "predicted_draft_ms", "measured_draft_ms")}
+        pol: dict = {k: sum(r[k] for r in reports) for k in ("steps", "fallback_steps", "explore_steps",
+                                                             "predicted_draft_ms", "measured_draft_ms")}
         tested: dict[str, int] = {}
         accepted: dict[str, float] = {}
         drafted: dict[str, int] = {}
@@ -400,7 +400,7 @@ def _engine_stats(ans: list[Answer]) -> dict:
                 drafted[src] = drafted.get(src, 0) + n
         pol["drafted_by_source"] = drafted
         pol["acceptance_by_source"] = {s: round(accepted[s] / n, 4) for s, n in tested.items() if n}
-        pol["first_estimate_origins"] = reports[0].get("estimate_origins", {})  # where the first turn started
+        pol["first_estimate_origins"] = reports[0]["estimate_origins"]  # where the first turn started
         out["policy"] = pol
     return out
 

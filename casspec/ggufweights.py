@@ -21,11 +21,11 @@ from dsia.errors import CasspecError
 from dsia.spec import ModelSpec
 
 from .ggufcheck import GGUFFile, GGUFHeader, GGUFTensor
-from .native import NATIVE_TYPES, decode_blocks, dequantize
+from .native import DENSE_TYPES, NATIVE_TYPES, decode_blocks, dequantize
 from .weights import check_tensors
 
 ARCHS = ("llama",)  # general.architecture values read here (SmolLM2, Llama, Mistral as converted by llama.cpp)
-DENSE = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # stored dense types, by numpy element type
+FLOATS = {"F32": np.float32, "F16": np.float16}  # dense types numpy reads as they are (BF16: widened by hand)
 NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
          "output.weight": "lm_head.weight"}  # whole-model tensors
 LAYER_PARTS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
@@ -74,7 +74,7 @@ def _float32(raw: np.ndarray, t: GGUFTensor) -> Tensor:
         bits = raw.view(np.uint16).astype(np.uint32) << 16
         w = torch.from_numpy(bits.view(np.float32))
     else:
-        w = torch.from_numpy(raw.view(DENSE[t.kind]).astype(np.float32))
+        w = torch.from_numpy(raw.view(FLOATS[t.kind]).astype(np.float32))
     return w.reshape(t.dims[0]) if len(t.dims) == 1 else w
 
 
@@ -87,7 +87,7 @@ def state_dict(src: GGUFFile, header: GGUFHeader, config) -> dict[str, Tensor] |
     if arch not in (a.encode() for a in ARCHS):
         return None
     names = {t.name: hf_name(t.name) for t in header.tensors if t.name not in SKIPPED}
-    if None in names.values() or any(t.kind not in DENSE and t.kind not in NATIVE_TYPES or len(t.dims) > 2
+    if None in names.values() or any(t.kind not in DENSE_TYPES + NATIVE_TYPES or len(t.dims) > 2
                                      for t in header.tensors if t.name in names):
         return None
     if ("output.weight" in names) == tied:  # a tied model stores no head; an untied one must

@@ -17,7 +17,8 @@ GROUPS = BLOCK // 4  # groups of 4 inputs per block
 
 def exact_in_half(t: Tensor) -> bool:
     """Whether every value of t is a finite float16 (the kernel's scales are read as float16)."""
-    return bool(torch.equal(t.float().half().float(), t.float()) and torch.isfinite(t.float().half()).all())
+    h = t.float().half()
+    return bool(torch.isfinite(h).all() and torch.equal(h.float(), t.float()))
 
 
 class BlockLinear:

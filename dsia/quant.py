@@ -105,6 +105,11 @@ class QuantConfig:
         if self.act_dtype not in (torch.bfloat16, torch.float32):
             raise CasspecError(f"activation dtype {self.act_dtype} is not supported: use torch.bfloat16 or float32")
 
+    @property
+    def block_kernel(self) -> bool:
+        """Whether the BLOCK_KINDS run casspec's block kernel on a CPU (`blocks`, group 32, the library built)."""
+        return self.blocks and self.group_size == BLOCK and build_error() is None
+
 
 # ---------------------------------------------------------------------------------------------- kernels
 class Int8Linear:
@@ -362,8 +367,8 @@ def nf4_fits(out: int, n_in: int, blocksize: int) -> bool:
 def blocks_for(w: Tensor, kind: str, cfg: QuantConfig) -> bool:
     """Whether w [out, in] of `kind` runs casspec's block kernel (see QuantConfig.blocks; its float16 scales hold
     weights up to HALF_SAFE)."""
-    return (cfg.blocks and kind in BLOCK_KINDS and cfg.group_size == BLOCK and w.shape[1] % BLOCK == 0
-            and w.device.type == "cpu" and build_error() is None and float(w.abs().max()) < HALF_SAFE)
+    return (cfg.block_kernel and kind in BLOCK_KINDS and w.shape[1] % BLOCK == 0 and w.device.type == "cpu"
+            and float(w.abs().max()) < HALF_SAFE)
 
 
 def q4_1_blocks(w: Tensor, kind: str = "int4") -> BlockLinear:
@@ -499,7 +504,7 @@ class QuantCodec:
     @property
     def name(self) -> str:  # what the copy depends on besides the model's weights
         c = self.cfg
-        blocks = LAYOUT if c.blocks and c.group_size == BLOCK and build_error() is None else 0  # (its kernels)
+        blocks = LAYOUT if c.block_kernel else 0  # (the kernels it holds)
         return (f"quant-{c.kind}-g{c.group_size}-{str(c.act_dtype).removeprefix('torch.')}-{c.head_kind}"
                 f"-fuse{c.fuse:d}-blocks{blocks}")
 

@@ -3,6 +3,7 @@
 block to 8 bits, as llama.cpp multiplies them. The weights are read once for all the rows of a call, so a tree's
 verification costs a few one-token steps, not one per token (torch's packed int4 kernel cost 5x one token's over 16);
 each row's result is the same bits whatever the rows beside it, on every machine (the module's C++ says why).
+`q4_1_blocks` / `q8_0_blocks` put a float weight in those blocks (the int4 / int8 draft levels, dsia/quant.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0 (GGUF's, and the kernel's)
 TILE = 16  # outputs per tile (the kernel's float lanes)
 LAYOUT = 2  # bumped when BlockLinear's tensors change (stored level copies are then built again; 2: float16 scales)
 GROUPS = BLOCK // 4  # groups of 4 inputs per block
+HALF_TINY = 2.0 ** -24  # the smallest scale a weight's blocks get (float16's smallest subnormal)
 
 
 def exact_in_half(t: Tensor) -> bool:
@@ -56,3 +58,24 @@ class BlockLinear:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def q4_1_blocks(w: Tensor, kind: str = "int4") -> BlockLinear:
+    """w [out, in] as GGUF Q4_1 blocks: per 32 inputs d = (max - min) / 15, m = min (both rounded to float16, as GGUF
+    stores them), w ~ d q + m, q in [0, 15]."""
+    out, n_in = w.shape
+    g = w.detach().float().reshape(out, n_in // BLOCK, BLOCK)  # [out, blocks, 32]
+    lo = g.amin(dim=2).half().float()  # [out, blocks], float16 values (the kernel's scales)
+    d = ((g.amax(dim=2) - lo) / 15).clamp(min=HALF_TINY).half().float()
+    q = ((g - lo[..., None]) / d[..., None]).round().clamp(0, 15)  # [out, blocks, 32]
+    return BlockLinear(q.reshape(out, n_in), d, lo, 4, kind)
+
+
+def q8_0_blocks(w: Tensor, kind: str = "int8") -> BlockLinear:
+    """w [out, in] as GGUF Q8_0 blocks: per 32 inputs d = max |w| / 127 (rounded to float16), w ~ d q, q in
+    [-127, 127]."""
+    out, n_in = w.shape
+    g = w.detach().float().reshape(out, n_in // BLOCK, BLOCK)  # [out, blocks, 32]
+    d = (g.abs().amax(dim=2) / 127).clamp(min=HALF_TINY).half().float()  # [out, blocks], float16 values
+    q = (g / d[..., None]).round().clamp(-127, 127)
+    return BlockLinear(q.reshape(out, n_in), d, None, 8, kind)

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .blockq import BLOCK, LAYOUT, BlockLinear
+from .blockq import BLOCK, LAYOUT, BlockLinear, q4_1_blocks, q8_0_blocks
 from .cxx import build_error
 from .errors import CasspecError
 from .model import FUSED_GROUPS, Transformer
@@ -68,7 +68,6 @@ SHORTLIST_BLOCK = 256  # int4r: `top_k`'s block over the 4-bit logits (the short
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 NF4_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes.functional.quantize_4bit accepts
 HEAD = "head"  # key of the LM head in QuantizedLinears.kinds
-HALF_TINY = 2.0 ** -24  # the block kernel's smallest scale (float16's smallest subnormal)
 HALF_SAFE = 6.0e4  # the block kernel takes weights below this magnitude (float16 scales and minima; max 65504)
 # w8a8: fbgemm quantizes the activations to 7 bits when True (AVX2's 16-bit multiply-adds can saturate on 8x8 bits);
 # with AVX512-VNNI 8 bits do not saturate and draft more exactly (on AVX2 alone a saturated draft is only rejected)
@@ -369,27 +368,6 @@ def blocks_for(w: Tensor, kind: str, cfg: QuantConfig) -> bool:
     weights up to HALF_SAFE)."""
     return (cfg.block_kernel and kind in BLOCK_KINDS and w.shape[1] % BLOCK == 0 and w.device.type == "cpu"
             and float(w.abs().max()) < HALF_SAFE)
-
-
-def q4_1_blocks(w: Tensor, kind: str = "int4") -> BlockLinear:
-    """w [out, in] as GGUF Q4_1 blocks: per 32 inputs d = (max - min) / 15, m = min (both rounded to float16, as GGUF
-    stores them), w ~ d q + m, q in [0, 15]."""
-    out, n_in = w.shape
-    g = w.detach().float().reshape(out, n_in // BLOCK, BLOCK)  # [out, blocks, 32]
-    lo = g.amin(dim=2).half().float()  # [out, blocks], float16 values (the kernel's scales)
-    d = ((g.amax(dim=2) - lo) / 15).clamp(min=HALF_TINY).half().float()
-    q = ((g - lo[..., None]) / d[..., None]).round().clamp(0, 15)  # [out, blocks, 32]
-    return BlockLinear(q.reshape(out, n_in), d, lo, 4, kind)
-
-
-def q8_0_blocks(w: Tensor, kind: str = "int8") -> BlockLinear:
-    """w [out, in] as GGUF Q8_0 blocks: per 32 inputs d = max |w| / 127 (rounded to float16), w ~ d q, q in
-    [-127, 127]."""
-    out, n_in = w.shape
-    g = w.detach().float().reshape(out, n_in // BLOCK, BLOCK)  # [out, blocks, 32]
-    d = (g.abs().amax(dim=2) / 127).clamp(min=HALF_TINY).half().float()  # [out, blocks], float16 values
-    q = (g / d[..., None]).round().clamp(-127, 127)
-    return BlockLinear(q.reshape(out, n_in), d, None, 8, kind)
 
 
 def quantize_weight(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear:

@@ -189,6 +189,12 @@ def _add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple
     return EAGER.add_rms_norm(x, delta, weight, eps)
 
 
+def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    if gate.dim() == 2 and _float32_cpu(gate, up) and gate.stride(1) == 1 and up.stride(1) == 1:
+        return torch.ops.casspec.silu_mul(gate, up)
+    return EAGER.silu_mul(gate, up)
+
+
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if x.dim() == 3 and _float32_cpu(x) and x.stride(2) == 1:
         return torch.ops.casspec.rope(x, cos, sin)
@@ -198,7 +204,8 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @functools.cache
 def cxx_pointwise() -> Pointwise:
     """The forward's small steps by casspec's C++ ops where they take the tensors (float32 on a CPU: RMSNorm with
-    the residual add, RoPE, and each row's attention over its own keys), else eagerly. The C++ loop calls the same
-    ops for a model with this Pointwise, so both loops give the same bits. Needs the build (`build_error()` None)."""
+    the residual add, RoPE, the MLP's silu(gate) * up, and each row's attention over its own keys), else eagerly.
+    The C++ loop calls the same ops for a model with this Pointwise, so both loops give the same bits. Needs the
+    build (`build_error()` None)."""
     return dataclasses.replace(EAGER, rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, rope=_rope,
-                               attention=torch.ops.casspec.attention)
+                               silu_mul=_silu_mul, attention=torch.ops.casspec.attention)

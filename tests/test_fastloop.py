@@ -96,6 +96,59 @@ def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
             assert_same(fast, slow, TARGET)
 
 
+def one_region_outputs(model, plan: Plan, rows: int) -> tuple[torch.Tensor, ...]:
+    """A causal prefill of `rows` tokens, a one-token step and a tree's forward, and the keys they wrote."""
+    cache = model.new_cache(96)
+    prompt = [(7 * i + 3) % 50 for i in range(rows)]
+    prefill = run(model, plan, cache, prompt, 0, None)
+    cache.commit(list(range(len(prompt))))
+    one = run(model, plan, cache, [12], cache.length, None)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    branch = run(model, plan, cache, [12, 40, 41], cache.length, tree)
+    return prefill, one, branch, cache.k[:, :, :cache.length + 3].clone()
+
+
+def assert_one_region(fast, slow, plan: Plan, rows: int) -> None:
+    """The C++ loop's stack runs in one region and gives the Python loop's bits on one thread and on two."""
+    assert fast.stacks.get(fast, plan).stack.one_region()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for a, b in zip(one_region_outputs(fast, plan, rows), one_region_outputs(slow, plan, rows)):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["int4", "int8", "target"])
+def test_own_kernels_run_in_one_parallel_region_with_the_same_bits(arch, name):
+    """A float32 plan whose every product is casspec's own (block levels; a dense target on casspec's kernel) runs
+    its one-token steps in one parallel region (csrc/step.cpp; its forwards of more rows attend by SDPA, in the
+    ATen loop) with the Python loop's bits, on one thread and on two (the work split otherwise); Qwen2's biases."""
+    eng = tiny_engine(arch, seed=4, kernels="casspec")
+    plan = TARGET if name == "target" else eng.levels.get(name).plan
+    assert_one_region(*both(eng.model), plan, 40)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_native_target_runs_in_one_parallel_region(tmp_path, qtype):
+    """A GGUF target run as stored (batch-invariant: every forward attends with casspec's attention) runs each
+    forward in one region: a prefill of 21 rows (past one block of 16 query rows), a step, a tree; heads of 16 and
+    of 32 (each head's outputs half a block of o's input, or one: quantized after the attention or with it)."""
+    from casspec.engine import Engine
+
+    for dim, heads in ((64, 4), (64, 2)):
+        path = tiny_gguf(tmp_path / f"t-{qtype}-{heads}.gguf", dim=dim, heads=heads, kv_heads=1, qtype=qtype,
+                         pad_vocab=13)
+        try:
+            eng = Engine.from_pretrained(str(path), weights="native", autoprofile=False, keep_state=False)
+        except CasspecError as e:
+            pytest.skip(f"no native target on this machine: {e}")
+        assert_one_region(*both(eng.model), TARGET, 21)
+
+
 @pytest.mark.parametrize("arch,name", [("qwen3", "int4"), ("llama", "int4+skip0.3"), ("llama", "int4+exit2"),
                                        ("llama", "w8a8")])
 def test_plans_it_does_not_take_run_the_python_loop(arch, name):

@@ -44,8 +44,8 @@ struct Call {
   const float* dx;
   const float* sx;
   const int32_t* xsum;
-  float* out;  // [T, N]
-  int64_t N, T, K, blocks;
+  float* out;  // [T, N], rows ldo apart
+  int64_t N, T, K, blocks, ldo;
 };
 
 inline int64_t code_bytes(const Call& c) { return c.eight ? kGroups * kTile * 4 : kGroups / 2 * kTile * 4; }
@@ -113,7 +113,7 @@ template <int R>
   }
   for (int r = 0; r < R; ++r) {
     for (int64_t lane = 0; lane < kTile && tile * kTile + lane < c.N; ++lane) {
-      c.out[(t0 + r) * c.N + tile * kTile + lane] = acc[r][lane];
+      c.out[(t0 + r) * c.ldo + tile * kTile + lane] = acc[r][lane];
     }
   }
 }
@@ -175,7 +175,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
     _mm256_storeu_ps(y, acc[r][0]);
     _mm256_storeu_ps(y + 8, acc[r][1]);
     const int64_t n = std::min(kTile, c.N - tile * kTile);
-    std::memcpy(c.out + (t0 + r) * c.N + tile * kTile, y, sizeof(float) * n);
+    std::memcpy(c.out + (t0 + r) * c.ldo + tile * kTile, y, sizeof(float) * n);
   }
 }
 
@@ -232,7 +232,7 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
   const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(c.out + (t0 + r) * c.N + tile * kTile, valid, acc[r]);
+    _mm512_mask_storeu_ps(c.out + (t0 + r) * c.ldo + tile * kTile, valid, acc[r]);
   }
 }
 
@@ -271,6 +271,10 @@ CASSPEC_RANGE(range_vnni, __attribute__((target(CASSPEC_VNNI))), rows_vnni, kRow
 #undef CASSPEC_RANGE
 static_assert(kRowTile == 4 || kRowTile == 8, "CASSPEC_RANGE takes 4 rows, then the last 1-3");
 
+}  // namespace
+
+namespace raw {
+
 // the block product's widest path here (ops.h machine_isa): its AVX-512 path needs VNNI, BW and VL besides (else AVX2)
 Isa block_isa() {
   static const Isa isa = [] {
@@ -285,32 +289,41 @@ Isa block_isa() {
   return isa;
 }
 
-// x [T, K] float32 -> per row and block, dx = max |x| / 127, xq = x / dx rounded to nearest (even), their sum, sx
-void quantize_rows(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* xsum) {
-  const int64_t blocks = K / kBlock;
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* v = x + t * K + b * kBlock;
-      int8_t* q = xq + t * K + b * kBlock;
-      float top = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        top = std::max(top, std::fabs(v[j]));
-      }
-      const float scale = top / 127.f;
-      const float inv = scale != 0.f ? 1.f / scale : 0.f;
-      int32_t total = 0;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-        total += q[j];
-      }
-      dx[t * blocks + b] = scale;
-      xsum[t * blocks + b] = total;
-      sx[t * blocks + b] = scale * static_cast<float>(total);
+// per block: dx = max |x| / 127, xq = x / dx rounded to nearest (even), their sum, sx = dx * that sum
+void quantize_blocks(const float* x, const BlockActs& a, int64_t b0, int64_t b1) {
+  for (int64_t at = b0; at < b1; ++at) {  // (block `at` of the rows' blocks: its inputs lie at x + at * 32)
+    const float* v = x + at * kBlock;
+    int8_t* q = a.xq + at * kBlock;
+    float top = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      top = std::max(top, std::fabs(v[j]));
     }
+    const float scale = top / 127.f;
+    const float inv = scale != 0.f ? 1.f / scale : 0.f;
+    int32_t total = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+      total += q[j];
+    }
+    a.dx[at] = scale;
+    a.xsum[at] = total;
+    a.sx[at] = scale * static_cast<float>(total);
   }
 }
 
-}  // namespace
+void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
+                 int64_t tile1, Isa isa) {
+  const Call c{w.codes, w.eight, w.d, w.m, a.xq, a.dx, a.sx, a.xsum, out, w.N, T, w.K, w.K / kBlock, ldo};
+  if (isa == kAvx512) {
+    range_vnni(c, tile0, tile1);
+  } else if (isa == kAvx2) {
+    range_avx2(c, tile0, tile1);
+  } else {
+    range_plain(c, tile0, tile1);
+  }
+}
+
+}  // namespace raw
 
 // x [T, K] float32; codes [tiles, blocks, 4 or 8, 16, 4] uint8 (dsia/blockq.py); scales [1 or 2, tiles, blocks,
 // 16] float16 (d, and m where w = d q + m); n: the outputs (<= 16 tiles); isa: -1 the best this CPU has, else 0
@@ -331,30 +344,23 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(tiles >= 1 && n >= 1 && n <= kTile * tiles && n > kTile * (tiles - 1), "casspec block_linear: ", n,
               " outputs do not fill the last of ", tiles, " tiles of 16");
   TORCH_CHECK(K == kBlock * blocks, "casspec block_linear: x has ", K, " inputs, the codes ", kBlock * blocks);
-  TORCH_CHECK(isa >= kAuto && isa <= block_isa(), "casspec block_linear: isa ", isa,
+  TORCH_CHECK(isa >= kAuto && isa <= raw::block_isa(), "casspec block_linear: isa ", isa,
               " is not one this CPU runs (or CASSPEC_ISA allows): -1 the best, 0 plain, 1 AVX2, 2 AVX-512 VNNI");
   const at::Tensor xc = x.contiguous();
   at::Tensor xq = at::empty({T, K}, x.options().dtype(at::kChar));
   at::Tensor dx = at::empty({T, blocks}, x.options()), sx = at::empty({T, blocks}, x.options());
   at::Tensor xsum = at::empty({T, blocks}, x.options().dtype(at::kInt));
-  quantize_rows(xc.data_ptr<float>(), T, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
-                xsum.data_ptr<int32_t>());
+  const raw::BlockActs acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
+                            xsum.data_ptr<int32_t>()};
+  raw::quantize_blocks(xc.data_ptr<float>(), acts, 0, T * blocks);
   at::Tensor out = at::empty({T, n}, x.options());
   const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const Call c{codes.data_ptr<uint8_t>(), codes.size(2) == kGroups, d,
-               scales.size(0) == 2 ? d + tiles * blocks * kTile : nullptr,
-               xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), xsum.data_ptr<int32_t>(),
-               out.data_ptr<float>(), n, T, K, blocks};
-  const Isa use = isa == kAuto ? block_isa() : static_cast<Isa>(isa);
+  const raw::Blocks w{codes.data_ptr<uint8_t>(), codes.size(2) == kGroups, d,
+                      scales.size(0) == 2 ? d + tiles * blocks * kTile : nullptr, n, K};
+  const Isa use = isa == kAuto ? raw::block_isa() : static_cast<Isa>(isa);
   const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, T * K * kTile));
   at::parallel_for(0, tiles, grain, [&](int64_t tile0, int64_t tile1) {
-    if (use == kAvx512) {
-      range_vnni(c, tile0, tile1);
-    } else if (use == kAvx2) {
-      range_avx2(c, tile0, tile1);
-    } else {
-      range_plain(c, tile0, tile1);
-    }
+    raw::block_tiles(w, acts, T, out.data_ptr<float>(), n, tile0, tile1, use);
   });
   return out;
 }

@@ -34,8 +34,8 @@ struct Job {
   const Wt* x;  // [T, K]
   const Wt* w;  // [N, K]
   const Wt* bias;  // [N] or nullptr
-  Wt* y;  // [T, N]
-  int64_t T, K, N;
+  Wt* y;  // [T, N], rows ldy apart
+  int64_t T, K, N, ldy;
 };
 
 // a value as float32 (bfloat16's bits widened exactly), and a float32 sum in the output's type (bfloat16: rounded to
@@ -205,6 +205,18 @@ namespace {
 constexpr int64_t kTaskOutputs = 16;  // outputs a thread's task takes at least
 }  // namespace
 
+void raw::dense_range(const float* x, const float* w, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
+                      int64_t lo, int64_t hi, Isa isa) {
+  const Job<float> j{x, w, bias, y, T, K, hi, ldy};  // (outputs past hi are not read)
+  if (isa == kAvx512) {
+    dense512::range(j, lo, hi);
+  } else if (isa == kAvx2) {
+    dense256::range(j, lo, hi);
+  } else {
+    dense_plain::range(j, lo, hi);
+  }
+}
+
 // x [T, K] and w [N, K] contiguous, both float32 or both bfloat16, bias [N] in their dtype or none; isa: -1 the best
 // this CPU has, else 0 plain, 1 AVX2, 2 AVX-512 (tests). -> [T, N] in x's dtype: bfloat16 inputs are widened exactly
 // and summed in float32 as float32 ones are, the sums rounded to bfloat16 once, at the end.
@@ -246,10 +258,10 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   };
   if (dtype == at::kFloat) {
     run(Job<float>{xc.data_ptr<float>(), w.data_ptr<float>(), bc ? bc->data_ptr<float>() : nullptr,
-                   y.data_ptr<float>(), T, K, N});
+                   y.data_ptr<float>(), T, K, N, N});
   } else {
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-    run(Job<uint16_t>{bits(xc), bits(w), bc ? bits(*bc) : nullptr, bits(y), T, K, N});
+    run(Job<uint16_t>{bits(xc), bits(w), bc ? bits(*bc) : nullptr, bits(y), T, K, N, N});
   }
   return y;
 }

@@ -79,7 +79,7 @@ template <int O, int R, class Wt>
   for (int r = 0; r < R; ++r) {
     for (int o = 0; o < O; ++o) {
       const float sum = sums[o * R + r];
-      j.y[(t0 + r) * j.N + o0 + o] = narrow<Wt>(j.bias != nullptr ? sum + widen(j.bias[o0 + o]) : sum);
+      j.y[(t0 + r) * j.ldy + o0 + o] = narrow<Wt>(j.bias != nullptr ? sum + widen(j.bias[o0 + o]) : sum);
     }
   }
 }

@@ -7,25 +7,27 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "step.h"
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
 
+using casspec::kBlocks;
+using casspec::kDense;
+using casspec::kNone;
+using casspec::kPacked;
+using casspec::kSlots;
+
 namespace {
 
-// a product slot's kind (PRODUCT_KINDS in fastloop.py)
-constexpr int64_t kNone = -1;  // no product here (k, v of a fused q|k|v; up of a fused gate|up)
-constexpr int64_t kPacked = 0;  // packed 4-bit kernel (Int4Linear, Int8GroupLinear)
-constexpr int64_t kDense = 1;  // dense weight, through the call's dense kernel
-constexpr int64_t kBlocks = 2;  // GGUF-style blocks as stored (dsia/blockq.py BlockLinear: codes, scales, outputs)
 // dense kernels (DENSE_KERNELS in fastloop.py)
 constexpr int64_t kBlas = 1;  // F.linear
 constexpr int64_t kMkl = 2;  // MKL's packed sgemm (dsia/kernels.py PackedSgemm)
 constexpr int64_t kOwn = 3;  // casspec's own float32 / bfloat16 product (dense.cpp)
-constexpr int64_t kSlots = 7;  // per layer: q (or q|k|v), k, v, o, gate (or gate|up), up, down
 
 // RMSNorm over the last dim, as dsia/model.py's rms_norm: torch's own op in float32, HF's rounding otherwise.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -143,6 +145,7 @@ struct Stack : torch::CustomClassHolder {
   int64_t n_heads, n_kv_heads;
   double eps;
   Invariance inv;  // the batch-invariant attention's constants (a call with row keys uses them)
+  std::unique_ptr<casspec::OwnStep> own_step;  // the layers in one parallel region, where every product is casspec's
 
   Stack(std::vector<at::Tensor> norms, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
         std::vector<at::Tensor> aux, std::vector<at::Tensor> biases, std::vector<int64_t> group_sizes,
@@ -179,7 +182,12 @@ struct Stack : torch::CustomClassHolder {
         TORCH_CHECK(k[j] == kNone || this->weights[j].defined(), "casspec Stack: slot ", j, " has no weight");
       }
     }
+    own_step = casspec::OwnStep::from(this->norms, this->kinds, this->weights, this->aux, this->biases,
+                                      this->group_sizes, n_heads, n_kv_heads, eps);
   }
+
+  // whether a float32 call with casspec's ops and attention (and its own dense kernel) runs in one parallel region
+  bool one_region() const { return own_step != nullptr; }
 
   // slot j's product of x [T, in] -> [T, out] in x's dtype, as Transformer._linear / _fused run it (a fused
   // product's slots hold its parts' biases, added after the split: `biased` false)
@@ -258,6 +266,10 @@ struct Stack : torch::CustomClassHolder {
     auto rotate = [&](const at::Tensor& t, const at::Tensor& c, const at::Tensor& s) {
       return own ? casspec::rope(t, c, s) : rope(t, c, s);
     };
+    if (own_step && own && own_attention && !rows_bias && (!own_step->dense() || dense_kernel == kOwn) &&
+        k_all.scalar_type() == at::kFloat && k_all.is_contiguous() && v_all.is_contiguous()) {
+      return own_step->run(x, k_all, v_all, cos, sin, start, end, mask);  // (the same bits in one parallel region)
+    }
     at::Tensor delta;  // the last sublayer's output, added to x together with the next norm
     for (int64_t i = 0; i < n_layers; ++i) {
       const int64_t s = kSlots * i;
@@ -327,7 +339,7 @@ struct Stack : torch::CustomClassHolder {
         gate = product(h, s + 4, dense_kernel);
         up = product(h, s + 5, dense_kernel);
       }
-      delta = product(at::silu(gate) * up, s + 6, dense_kernel);
+      delta = product(own ? casspec::silu_mul(gate, up) : at::silu(gate) * up, s + 6, dense_kernel);
     }
     return {x, delta};
   }
@@ -338,5 +350,6 @@ TORCH_LIBRARY(casspec, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                        int64_t, int64_t, int64_t, double, std::vector<int64_t>>())
-      .def("run", &Stack::run);
+      .def("run", &Stack::run)
+      .def("one_region", &Stack::one_region);
 }

@@ -96,6 +96,29 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
   return reinterpret_cast<v16&>(kept);
 }
 
+// silu(g) * u in every lane: g * sigmoid(g) * u, sigmoid from e^-|g| (never overflows: 1 / (1 + e) at g >= 0,
+// e / (1 + e) below)
+[[gnu::always_inline]] inline v16 vsilu_mul(v16 g, v16 u) {
+  const i16 negative = g < 0.0f;
+  const v16 e = vexp(negative ? g : -g);
+  const v16 sigmoid = (negative ? e : v16{} + 1.0f) / (e + 1.0f);
+  return g * sigmoid * u;
+}
+
+// silu(gate) * up over n elements, 16 at a time (the tail's lanes past n computed over zeros and not stored)
+void silu_mul_impl(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t w = std::min(kLanes, n - j);
+    store(out + j, vsilu_mul(load(gate + j, w), load(up + j, w)), w);
+  }
+}
+__attribute__((target("avx512f"))) void silu_mul_avx512(const float* g, const float* u, float* o, int64_t n) {
+  silu_mul_impl(g, u, o, n);
+}
+__attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* u, float* o, int64_t n) {
+  silu_mul_impl(g, u, o, n);
+}
+
 // one row: out = w * (x * 1 / sqrt(mean(x^2) + eps)), HF's order of the two products
 void norm_row(const float* x, const float* w, float* out, int64_t D, double eps) {
   v16 acc = {};
@@ -326,6 +349,39 @@ Isa machine_isa() {
   return isa;
 }
 
+namespace raw {
+
+void norm_row(const float* x, const float* w, float* out, int64_t D, double eps) {
+  casspec::norm_row(x, w, out, D, eps);
+}
+
+void rope_row(const float* x, const float* cos, const float* sin, float* out, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t j = 0; j < hd; ++j) {  // roll(x, hd / 2)[j] = x[(j + hd / 2) mod hd]; sin's first half negated
+    out[j] = x[j] * cos[j] + x[j < half ? j + half : j - half] * sin[j];
+  }
+}
+
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  static const Isa isa = machine_isa();
+  if (isa == kAvx512) {
+    silu_mul_avx512(gate, up, out, n);
+  } else if (isa == kAvx2) {
+    silu_mul_avx2(gate, up, out, n);
+  } else {
+    silu_mul_impl(gate, up, out, n);
+  }
+}
+
+void attend(const float* q, int64_t q_row, const float* keys, const float* values, int64_t kv_row, const bool* mask,
+            int64_t T, int64_t end, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float* out,
+            int64_t out_row) {
+  casspec::attend(q, q_row, hd, keys, kv_row, values, kv_row, Visible{mask, T, end}, r0, r1, G, hd, scale, out,
+                  out_row);
+}
+
+}  // namespace raw
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm x");
   const int64_t T = x.size(0), D = x.size(1);
@@ -363,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_tensor(x, "rope x [heads, T, hd]", at::kFloat, 3);
-  const int64_t H = x.size(0), T = x.size(1), hd = x.size(2), half = hd / 2;
+  const int64_t H = x.size(0), T = x.size(1), hd = x.size(2);
   TORCH_CHECK(x.stride(2) == 1 || hd <= 1, "casspec rope: x [heads, T, hd] with unit stride");
   TORCH_CHECK(hd % 2 == 0, "casspec rope: an even head size expected, got ", hd);
   check_tensor(cos, "rope cos [T, hd]", at::kFloat, 2);
@@ -378,10 +434,22 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
       const float* ct = c.data_ptr<float>() + t * hd;
       const float* st = s.data_ptr<float>() + t * hd;
       float* o = out.data_ptr<float>() + (h * T + t) * hd;
-      for (int64_t j = 0; j < hd; ++j) {  // roll(x, hd / 2)[j] = x[(j + hd / 2) mod hd]; sin's first half negated
-        o[j] = in[j] * ct[j] + in[j < half ? j + half : j - half] * st[j];
-      }
+      raw::rope_row(in, ct, st, o, hd);
     }
+  }
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_rows(gate, "silu_mul gate");
+  check_rows(up, "silu_mul up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "casspec silu_mul: gate ", gate.sizes(), " and up ", up.sizes(),
+              " must be of one shape");
+  const int64_t T = gate.size(0), I = gate.size(1);
+  at::Tensor out = at::empty({T, I}, gate.options());
+  for (int64_t t = 0; t < T; ++t) {
+    raw::silu_mul_row(gate.data_ptr<float>() + t * gate.stride(0), up.data_ptr<float>() + t * up.stride(0),
+                      out.data_ptr<float>() + t * I, I);
   }
   return out;
 }
@@ -452,6 +520,7 @@ TORCH_LIBRARY_FRAGMENT(casspec, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &casspec::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)", &casspec::add_rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &casspec::rope);
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &casspec::silu_mul);
   m.def("attention(Tensor q, Tensor keys, Tensor values, int end, Tensor? mask, float scale) -> Tensor",
         &casspec::attention);
 }

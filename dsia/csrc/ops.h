@@ -49,4 +49,52 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t end,
                      const std::optional<at::Tensor>& mask, double scale);
 
+// gated MLP activation silu(gate) * up of gate, up [T, I] (rows of any stride): [T, I], each element as
+// silu_mul_row computes it
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+
+// The kernels' loops over raw rows, for the one-region step (step.cpp): each computes its part of the same result
+// as the op above it, the same bits, and checks nothing (the caller checked every size they index).
+namespace raw {
+// one row: out = w * (x * 1 / sqrt(mean(x^2) + eps)), as rms_norm
+void norm_row(const float* x, const float* w, float* out, int64_t D, double eps);
+// one row and head: out[j] = x[j] cos[j] + x[(j + hd/2) mod hd] sin[j] (sin signed), as rope
+void rope_row(const float* x, const float* cos, const float* sin, float* out, int64_t hd);
+// n elements: silu(gate) * up, as silu_mul
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n);
+// query rows [r0, r1) of G heads (q + r * q_row + h * hd) attending over float32 keys, values (slot j at keys + j *
+// kv_row) at slots [0, end) as mask [T, end] (or causal: row t at slot end - T + t) says: out + r * out_row + h * hd
+void attend(const float* q, int64_t q_row, const float* keys, const float* values, int64_t kv_row, const bool* mask,
+            int64_t T, int64_t end, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float* out,
+            int64_t out_row);
+// float32 x [T, K] times w [N, K] (+ bias [N]) into y (row stride ldy), outputs [lo, hi), as dense_linear
+void dense_range(const float* x, const float* w, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
+                 int64_t lo, int64_t hi, Isa isa);
+
+// GGUF-style blocks as stored (blockq.cpp): codes [tiles, blocks, 4 or 8, 16, 4], scales d (and m) [tiles, blocks,
+// 16] as float16 bits, for N outputs of K = 32 blocks inputs
+struct Blocks {
+  const uint8_t* codes;
+  bool eight;  // 8-bit codes, else 4-bit
+  const uint16_t* d;
+  const uint16_t* m;  // or nullptr
+  int64_t N, K;
+};
+// a block product's activations: xq [T, K] int8, and per row and block dx, sx = dx * xsum, xsum [T, K / 32]
+struct BlockActs {
+  int8_t* xq;
+  float* dx;
+  float* sx;
+  int32_t* xsum;
+};
+constexpr int64_t kBlockInputs = 32;  // inputs per block
+// blocks [b0, b1) of contiguous rows x [T, K] (block b: inputs [32 b, 32 b + 32) of x, and of a.xq), quantized to
+// 8 bits as block_linear quantizes its activations
+void quantize_blocks(const float* x, const BlockActs& a, int64_t b0, int64_t b1);
+// tiles [tile0, tile1) of 16 outputs of every row into out (row stride ldo), as block_linear
+void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
+                 int64_t tile1, Isa isa);
+Isa block_isa();
+}  // namespace raw
+
 }  // namespace casspec

@@ -1,0 +1,329 @@
+// A float32 forward's decoder layers in one parallel region, on casspec's own kernels only (step.h). Called layer by
+// layer from ATen, a one-token step is some 600 small operations, each allocating its output and each product
+// waking the other threads and waiting for them: on a 2-core machine about a third of a native step. Here the
+// machine's threads enter once; each takes its share of every phase of a layer (the rows of a norm, the tiles of a
+// product, the heads of RoPE and of the attention), and they meet at a barrier between phases. Each output is
+// computed by the same function of the same operands as in the ATen loop (Stack::run), so the same bits, however
+// the work is split between threads; the 8-bit activations of a block product are made by the phase that writes
+// its input, block by block, as block_linear makes them.
+#include "step.h"
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace casspec {
+namespace {
+
+// [a, b): thread `tid` of `n`'s share of `count` items
+inline std::pair<int64_t, int64_t> share(int64_t count, int64_t tid, int64_t n) {
+  return {count * tid / n, count * (tid + 1) / n};
+}
+
+constexpr int64_t kRowBlock = 16;  // query rows an attention item takes (each key read once for them)
+
+}  // namespace
+
+int64_t StepGroup::units() const {
+  int64_t total = 0;
+  for (const StepProduct& p : products) {
+    total += p.units();
+  }
+  return total;
+}
+
+namespace {
+
+const char* kWhat = "casspec Stack (one-region step)";
+
+// slot j as a product of `offset` in its group's buffer with `in` inputs, or nullopt where it is neither GGUF
+// blocks (codes, scales as block_linear reads them) nor a float32 weight [N, in]
+std::optional<StepProduct> product_of(int64_t kind, const at::Tensor& w, const at::Tensor& scales, int64_t outputs,
+                                      int64_t in, int64_t offset) {
+  StepProduct p{};
+  p.K = in;
+  p.offset = offset;
+  if (kind == kBlocks) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 5 && w.is_contiguous() &&
+                    (w.size(2) == 4 || w.size(2) == 8) && w.size(3) == 16 && w.size(4) == 4,
+                kWhat, ": block codes [tiles, blocks, 4 or 8, 16, 4] contiguous expected, got ", w.sizes());
+    const int64_t tiles = w.size(0), blocks = w.size(1);
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 4 && scales.is_contiguous() &&
+                    (scales.size(0) == 1 || scales.size(0) == 2) && scales.size(1) == tiles &&
+                    scales.size(2) == blocks && scales.size(3) == 16,
+                kWhat, ": block scales [1 or 2, ", tiles, ", ", blocks, ", 16] float16 expected, got ", scales.sizes());
+    TORCH_CHECK(outputs >= 1 && outputs <= 16 * tiles && outputs > 16 * (tiles - 1) && blocks * 32 == in, kWhat,
+                ": blocks of ", outputs, " outputs over ", tiles, " tiles and ", blocks * 32, " inputs where the layer "
+                "has ", in);
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+    p.blocks = true;
+    p.w = raw::Blocks{w.data_ptr<uint8_t>(), w.size(2) == 8, d, scales.size(0) == 2 ? d + tiles * blocks * 16 : nullptr,
+                      outputs, in};
+    p.N = outputs;
+    return p;
+  }
+  if (kind == kDense && w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu()) {
+    TORCH_CHECK(w.size(1) == in, kWhat, ": a dense weight of ", w.size(1), " inputs where the layer has ", in);
+    p.dense = w.data_ptr<float>();
+    p.N = w.size(0);
+    return p;
+  }
+  return std::nullopt;
+}
+
+// a float32 vector of n values on the CPU (a bias or a norm's weight), or a Stack error
+const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n && t.is_contiguous() &&
+                  t.device().is_cpu(),
+              kWhat, ": ", what, " of ", n, " float32 values expected, got ", t.sizes());
+  return t.data_ptr<float>();
+}
+
+}  // namespace
+
+std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
+                                       const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& aux,
+                                       const std::vector<at::Tensor>& biases, const std::vector<int64_t>& outputs,
+                                       int64_t n_heads, int64_t n_kv_heads, double eps) {
+  auto step = std::unique_ptr<OwnStep>(new OwnStep());
+  const int64_t L = static_cast<int64_t>(norms.size()) / 2;
+  if (L == 0 || norms[0].scalar_type() != at::kFloat || norms[0].dim() != 1) {
+    return nullptr;
+  }
+  step->H_ = n_heads;
+  step->Hkv_ = n_kv_heads;
+  step->eps_ = eps;
+  step->D_ = norms[0].size(0);
+  const int64_t D = step->D_;
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t s = kSlots * i;
+    StepLayer layer{vector_of(norms[2 * i], D, "an attention norm"), vector_of(norms[2 * i + 1], D, "an MLP norm"),
+                    {}, {}, {}, {}};
+    // a group of slots [first, last] reading `in` inputs (a fused product: the first slot alone, its parts' biases
+    // at their parts' offsets, `parts` their widths); false where a slot is a kind this loop does not run
+    auto group = [&](StepGroup& g, int64_t first, int64_t count, int64_t in, std::vector<int64_t> parts) -> bool {
+      const bool fused = count > 1 && kinds[first + 1] == kNone;
+      int64_t offset = 0;
+      for (int64_t j = first; j < first + (fused ? 1 : count); ++j) {
+        std::optional<StepProduct> p = product_of(kinds[j], weights[j], aux[j], outputs[j], in, offset);
+        if (!p) {
+          return false;
+        }
+        g.products.push_back(*p);
+        offset += p->N;
+      }
+      g.width = offset;
+      int64_t at = 0;
+      for (int64_t j = first; j < first + count; ++j) {  // (fused: part j's bias at its part's offset)
+        const int64_t n = fused ? parts[j - first] : g.products[j - first].N;
+        TORCH_CHECK(!fused || j == first || kinds[j] == kNone, kWhat, ": slot ", j, " is part of a fused product");
+        if (biases[j].numel() > 0) {
+          g.biases.push_back(StepBias{vector_of(biases[j], n, "a bias"), at, n});
+        }
+        at += n;
+      }
+      TORCH_CHECK(at == g.width, kWhat, ": a fused product of ", g.width, " outputs where its parts have ", at);
+      for (const StepProduct& p : g.products) {
+        g.quantized = g.quantized || p.blocks;
+        step->dense_ = step->dense_ || !p.blocks;
+      }
+      step->widest_ = std::max(step->widest_, in);
+      return true;
+    };
+    auto width = [&](int64_t j) {  // slot j's outputs (GGUF blocks: as the Stack was given them; dense: its rows)
+      return kinds[j] == kBlocks ? outputs[j] : weights[j].dim() == 2 ? weights[j].size(0) : 0;
+    };
+    const bool fused_qkv = kinds[s + 1] == kNone, fused_mlp = kinds[s + 5] == kNone;
+    const int64_t heads = n_heads + 2 * n_kv_heads;
+    const int64_t total = fused_qkv ? width(s) : width(s) + width(s + 1) + width(s + 2);
+    const int64_t hd = total / heads;
+    if (i == 0) {
+      step->hd_ = hd;
+    }
+    TORCH_CHECK(total == heads * hd && hd == step->hd_ && hd >= 2 && hd % 2 == 0 && hd <= kMaxHeadDim, kWhat,
+                ": layer ", i, "'s q|k|v of ", total, " outputs is no even head size up to ", kMaxHeadDim, " for ",
+                n_heads, " + 2 x ", n_kv_heads, " heads");
+    const int64_t I = fused_mlp ? width(s + 4) / 2 : width(s + 4);
+    if (!group(layer.qkv, s, 3, D, {n_heads * hd, n_kv_heads * hd, n_kv_heads * hd}) ||
+        !group(layer.o, s + 3, 1, n_heads * hd, {D}) || !group(layer.gate_up, s + 4, 2, D, {I, I})) {
+      return nullptr;
+    }
+    if (i == 0) {
+      step->I_ = I;
+    }
+    TORCH_CHECK(layer.gate_up.width == 2 * I && I == step->I_ && layer.o.width == D, kWhat, ": layer ", i,
+                "'s products do not form a layer of width ", D);
+    if (!group(layer.down, s + 6, 1, I, {D})) {
+      return nullptr;
+    }
+    TORCH_CHECK(layer.down.width == D, kWhat, ": layer ", i, "'s down product has ", layer.down.width, " outputs, not ",
+                D);
+    step->layers_.push_back(std::move(layer));
+  }
+  return step;
+}
+
+std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tensor& k_all, at::Tensor& v_all,
+                                                const at::Tensor& cos, const at::Tensor& sin, int64_t start,
+                                                int64_t end, const std::optional<at::Tensor>& mask) const {
+  const int64_t T = x_in.size(0), D = D_, H = H_, Hkv = Hkv_, hd = hd_, I = I_, G = H / Hkv;
+  const int64_t L = static_cast<int64_t>(layers_.size()), S = k_all.size(2), HD = H * hd;
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.size(1) == D, kWhat, ": x [T, ", D, "] float32 expected");
+  TORCH_CHECK(k_all.scalar_type() == at::kFloat && k_all.is_contiguous() && v_all.is_contiguous() &&
+                  k_all.size(0) >= L && k_all.size(3) == hd,
+              kWhat, ": float32 K and V caches [", L, ", ", Hkv, ", S, ", hd, "] contiguous expected");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor m;
+  if (mask) {
+    m = mask->to(at::kBool).contiguous();
+    const bool* rows = m.data_ptr<bool>();
+    for (int64_t t = 0; t < T; ++t) {  // (a row that sees no key has no softmax)
+      TORCH_CHECK(std::find(rows + t * end, rows + (t + 1) * end, true) != rows + (t + 1) * end, kWhat,
+                  ": query row ", t, " of the mask sees no key");
+    }
+  }
+  const bool* seen = m.defined() ? m.data_ptr<bool>() : nullptr;
+  const auto f = x_in.options().dtype(at::kFloat);
+  at::Tensor x = x_in.contiguous().clone(), delta = at::empty({T, D}, f), h = at::empty({T, D}, f);
+  at::Tensor qkv = at::empty({T, (H + 2 * Hkv) * hd}, f), q = at::empty({T, HD}, f), att = at::empty({T, HD}, f);
+  at::Tensor gu = at::empty({T, 2 * I}, f), act = at::empty({T, I}, f);
+  at::Tensor xq = at::empty({T * widest_}, f.dtype(at::kChar));
+  at::Tensor scales = at::empty({2, T * widest_ / raw::kBlockInputs}, f);
+  at::Tensor sums = at::empty({T * widest_ / raw::kBlockInputs}, f.dtype(at::kInt));
+  const raw::BlockActs acts{xq.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(),
+                            sums.data_ptr<int32_t>()};
+  float* X = x.data_ptr<float>();
+  float* Dl = delta.data_ptr<float>();
+  float* Hn = h.data_ptr<float>();
+  float* QKV = qkv.data_ptr<float>();
+  float* Q = q.data_ptr<float>();
+  float* A = att.data_ptr<float>();
+  float* GU = gu.data_ptr<float>();
+  float* Act = act.data_ptr<float>();
+  float* Kc = k_all.data_ptr<float>();
+  float* Vc = v_all.data_ptr<float>();
+  const float* C = c.data_ptr<float>();
+  const float* Sn = s.data_ptr<float>();
+  const Isa dense_isa = machine_isa(), block_isa = raw::block_isa();
+  const float scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
+  const int64_t row_blocks = (T + kRowBlock - 1) / kRowBlock;
+  const bool head_blocks = hd % raw::kBlockInputs == 0;  // each head's outputs whole blocks of o's input
+  const bool silu_blocks = I % raw::kBlockInputs == 0;
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
+    // the group's products of `in` (its 8-bit blocks in acts where it has some) into out [T, width], with biases
+    auto products = [&](const StepGroup& g, const float* in, float* out) {
+      auto [a, b] = share(g.units(), tid, n);
+      int64_t base = 0;
+      for (const StepProduct& p : g.products) {
+        const int64_t lo = std::max(a, base) - base, hi = std::min(b, base + p.units()) - base;
+        base += p.units();
+        if (lo >= hi) {
+          continue;
+        }
+        if (p.blocks) {
+          raw::block_tiles(p.w, acts, T, out + p.offset, g.width, lo, hi, block_isa);
+        } else {
+          raw::dense_range(in, p.dense, nullptr, out + p.offset, g.width, T, p.K, lo * 16, std::min(p.N, hi * 16),
+                           dense_isa);
+        }
+        const int64_t c0 = p.offset + lo * 16, c1 = p.offset + std::min(p.N, hi * 16);  // its outputs' columns
+        for (const StepBias& bias : g.biases) {
+          const int64_t b0 = std::max(c0, bias.offset), b1 = std::min(c1, bias.offset + bias.n);
+          for (int64_t t = 0; t < T; ++t) {
+            for (int64_t col = b0; col < b1; ++col) {
+              out[t * g.width + col] += bias.values[col - bias.offset];
+            }
+          }
+        }
+      }
+#pragma omp barrier
+    };
+    // x += delta (not before the first layer), h = its norm, h's 8-bit blocks where the next group reads them
+    auto residual_norm = [&](bool add, const float* weight, bool quantized) {
+      auto [a, b] = share(T, tid, n);
+      for (int64_t t = a; t < b; ++t) {
+        float* xt = X + t * D;
+        if (add) {
+          const float* dt = Dl + t * D;
+          for (int64_t j = 0; j < D; ++j) {
+            xt[j] = xt[j] + dt[j];
+          }
+        }
+        raw::norm_row(xt, weight, Hn + t * D, D, eps_);
+        if (quantized) {
+          raw::quantize_blocks(Hn, acts, t * D / raw::kBlockInputs, (t + 1) * D / raw::kBlockInputs);
+        }
+      }
+#pragma omp barrier
+    };
+    for (int64_t i = 0; i < L; ++i) {
+      const StepLayer& layer = layers_[i];
+      float* Kl = Kc + i * Hkv * S * hd;  // [Hkv, S, hd]
+      float* Vl = Vc + i * Hkv * S * hd;
+      residual_norm(i > 0, layer.attn_norm, layer.qkv.quantized);
+      products(layer.qkv, Hn, QKV);
+      {  // RoPE of each row's q and k heads (k into the cache), its v heads copied into the cache
+        const int64_t heads = H + 2 * Hkv;
+        auto [a, b] = share(T * heads, tid, n);
+        for (int64_t item = a; item < b; ++item) {
+          const int64_t t = item / heads, j = item % heads;
+          const float* in = QKV + t * heads * hd + j * hd;
+          if (j < H) {
+            raw::rope_row(in, C + t * hd, Sn + t * hd, Q + t * HD + j * hd, hd);
+          } else if (j < H + Hkv) {
+            raw::rope_row(in, C + t * hd, Sn + t * hd, Kl + ((j - H) * S + start + t) * hd, hd);
+          } else {
+            std::memcpy(Vl + ((j - H - Hkv) * S + start + t) * hd, in, sizeof(float) * hd);
+          }
+        }
+      }
+#pragma omp barrier
+      {  // attention, a query head's block of rows at a time (and its outputs' 8-bit blocks)
+        auto [a, b] = share(H * row_blocks, tid, n);
+        for (int64_t item = a; item < b; ++item) {
+          const int64_t head = item % H, r0 = item / H * kRowBlock, r1 = std::min(T, r0 + kRowBlock);
+          const int64_t g = head / G;
+          raw::attend(Q + head * hd, HD, Kl + g * S * hd, Vl + g * S * hd, hd, seen, T, end, r0, r1, 1, hd, scale,
+                      A + head * hd, HD);
+          if (layer.o.quantized && head_blocks) {
+            for (int64_t t = r0; t < r1; ++t) {
+              const int64_t first = (t * HD + head * hd) / raw::kBlockInputs;
+              raw::quantize_blocks(A, acts, first, first + hd / raw::kBlockInputs);
+            }
+          }
+        }
+      }
+#pragma omp barrier
+      if (layer.o.quantized && !head_blocks) {
+        auto [a, b] = share(T * HD / raw::kBlockInputs, tid, n);
+        raw::quantize_blocks(A, acts, a, b);
+#pragma omp barrier
+      }
+      products(layer.o, A, Dl);
+      residual_norm(true, layer.mlp_norm, layer.gate_up.quantized);
+      products(layer.gate_up, Hn, GU);
+      {  // silu(gate) * up, a block of 32 (or a row) at a time, and its 8-bit block
+        const int64_t width = silu_blocks ? raw::kBlockInputs : I, per_row = I / width;
+        auto [a, b] = share(T * per_row, tid, n);
+        for (int64_t item = a; item < b; ++item) {
+          const int64_t t = item / per_row, j = item % per_row * width;
+          raw::silu_mul_row(GU + t * 2 * I + j, GU + t * 2 * I + I + j, Act + t * I + j, width);
+          if (layer.down.quantized) {
+            raw::quantize_blocks(Act, acts, (t * I + j) / raw::kBlockInputs, (t * I + j + width) / raw::kBlockInputs);
+          }
+        }
+      }
+#pragma omp barrier
+      products(layer.down, Act, Dl);
+    }
+  }
+  return {x, delta};
+}
+
+}  // namespace casspec

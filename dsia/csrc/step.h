@@ -1,0 +1,78 @@
+// The decoder layers of a forward in one parallel region (step.cpp): for a float32 call whose every product is
+// casspec's own (GGUF blocks as stored, or dense float32 weights), norms, RoPE and attention casspec's too. The
+// Stack (layers.cpp) runs its layers here where it can, the ATen loop otherwise; both give the same bits.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace casspec {
+
+// a Stack slot's kind (PRODUCT_KINDS in dsia/fastloop.py)
+constexpr int64_t kNone = -1;  // no product here (k, v of a fused q|k|v; up of a fused gate|up)
+constexpr int64_t kPacked = 0;  // packed 4-bit kernel (Int4Linear, Int8GroupLinear)
+constexpr int64_t kDense = 1;  // dense weight, through the call's dense kernel
+constexpr int64_t kBlocks = 2;  // GGUF-style blocks as stored (dsia/blockq.py BlockLinear: codes, scales, outputs)
+constexpr int64_t kSlots = 7;  // per layer: q (or q|k|v), k, v, o, gate (or gate|up), up, down
+
+// one product of a layer: GGUF blocks or a dense float32 weight, writing outputs [offset, offset + N) of its
+// group's buffer (q, k, v into q|k|v's; gate, up into gate|up's)
+struct StepProduct {
+  bool blocks;  // raw::Blocks, else dense
+  raw::Blocks w;  // blocks
+  const float* dense;  // [N, K]
+  int64_t N, K, offset;
+  int64_t units() const { return (N + 15) / 16; }  // tiles of 16 outputs
+};
+
+// a bias added to outputs [offset, offset + n) of a group's buffer after its product (as the ATen loop adds it)
+struct StepBias {
+  const float* values;  // [n]
+  int64_t offset, n;
+};
+
+// products that read one input and write one buffer (its row width: `width`)
+struct StepGroup {
+  std::vector<StepProduct> products;
+  std::vector<StepBias> biases;
+  int64_t width = 0;
+  bool quantized = false;  // some product reads the input's 8-bit blocks
+  int64_t units() const;
+};
+
+struct StepLayer {
+  const float* attn_norm;  // [D]
+  const float* mlp_norm;  // [D]
+  StepGroup qkv, o, gate_up, down;
+};
+
+// A Stack's layers as the one-region loop takes them (OwnStep::from: nullptr where some product is neither)
+class OwnStep {
+ public:
+  // the Stack's slots (layers.cpp: kinds, weights, aux, biases, outputs), norms [2L], heads; nullptr where a slot
+  // is a kind this loop does not run, or a weight is not float32 / GGUF blocks as the kernels read them
+  static std::unique_ptr<OwnStep> from(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
+                                       const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& aux,
+                                       const std::vector<at::Tensor>& biases, const std::vector<int64_t>& outputs,
+                                       int64_t n_heads, int64_t n_kv_heads, double eps);
+  bool dense() const { return dense_; }  // whether some product is dense (the call's dense kernel must be casspec's)
+  // x [T, D] after the embedding; k_all, v_all [L, Hkv, S, hd] float32 contiguous, written at [start, start + T),
+  // read over [0, end); cos, sin [T, hd]; mask [T, end] bool or none (causal). -> (x, delta) as Stack::run.
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, at::Tensor& k_all, at::Tensor& v_all,
+                                         const at::Tensor& cos, const at::Tensor& sin, int64_t start, int64_t end,
+                                         const std::optional<at::Tensor>& mask) const;
+
+ private:
+  std::vector<StepLayer> layers_;
+  int64_t H_ = 0, Hkv_ = 0, hd_ = 0, D_ = 0, I_ = 0, widest_ = 0;  // heads, head size, model and MLP width, widest K
+  double eps_ = 0;
+  bool dense_ = false;
+};
+
+}  // namespace casspec

@@ -106,7 +106,7 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
 }
 
 // silu(gate) * up over n elements, 16 at a time (the tail's lanes past n computed over zeros and not stored)
-void silu_mul_impl(const float* gate, const float* up, float* out, int64_t n) {
+[[gnu::always_inline]] inline void silu_mul_impl(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t j = 0; j < n; j += kLanes) {
     const int64_t w = std::min(kLanes, n - j);
     store(out + j, vsilu_mul(load(gate + j, w), load(up + j, w)), w);
@@ -120,7 +120,7 @@ __attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* 
 }
 
 // one row: out = w * (x * 1 / sqrt(mean(x^2) + eps)), HF's order of the two products
-void norm_row(const float* x, const float* w, float* out, int64_t D, double eps) {
+[[gnu::always_inline]] inline void norm_row_impl(const float* x, const float* w, float* out, int64_t D, double eps) {
   v16 acc = {};
   for (int64_t j = 0; j < D; j += kLanes) {
     v16 v = load(x + j, std::min(kLanes, D - j));
@@ -130,6 +130,26 @@ void norm_row(const float* x, const float* w, float* out, int64_t D, double eps)
   for (int64_t j = 0; j < D; j += kLanes) {
     const int64_t n = std::min(kLanes, D - j);
     store(out + j, load(w + j, n) * (load(x + j, n) * r), n);
+  }
+}
+
+__attribute__((target("avx512f"))) void norm_row_avx512(const float* x, const float* w, float* out, int64_t D,
+                                                        double eps) {
+  norm_row_impl(x, w, out, D, eps);
+}
+__attribute__((target("avx2"))) void norm_row_avx2(const float* x, const float* w, float* out, int64_t D, double eps) {
+  norm_row_impl(x, w, out, D, eps);
+}
+
+// the row's norm by the widest path (the same bits in every one)
+void norm_row(const float* x, const float* w, float* out, int64_t D, double eps) {
+  static const Isa isa = machine_isa();
+  if (isa == kAvx512) {
+    norm_row_avx512(x, w, out, D, eps);
+  } else if (isa == kAvx2) {
+    norm_row_avx2(x, w, out, D, eps);
+  } else {
+    norm_row_impl(x, w, out, D, eps);
   }
 }
 

@@ -254,7 +254,7 @@ def _build_gguf_cache(src: GGUFFile, sha: str, entry: Path) -> tuple[torch.nn.Mo
 
     from transformers.utils import logging as hf_logging
 
-    from .ggufweights import float32_bytes, hf_model, state_dict
+    from .ggufweights import float32_bytes, hf_model, metadata_once, state_dict
 
     gguf = src.path
     header = src.header()  # (the bounded check, before any other reader opens the file)
@@ -264,8 +264,9 @@ def _build_gguf_cache(src: GGUFFile, sha: str, entry: Path) -> tuple[torch.nn.Mo
     hf_logging.enable_progress_bar()
     folder, file = str(src.reader_path.parent), src.reader_path.name  # this open file, whatever `gguf` names now
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-        config = _checked_config(folder, gguf_file=file)
+        with metadata_once():  # (the tokenizer's and the config's parse of the header: one)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+            config = _checked_config(folder, gguf_file=file)
         state = None if tmp is None else state_dict(src, header, config)
         if state is None:  # transformers reads the weights (another architecture or type; or kept in memory)
             model, info = AutoModelForCausalLM.from_pretrained(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -72,7 +73,7 @@ def format_tuning(rec: dict) -> str:
     head = "| tokens | " + " | ".join(f"{k} ms" for k in timings) + " | chosen |"
     lines = [head, "|" + "---|" * (len(timings) + 2)]
     for j, top in enumerate(BUCKETS):
-        cells = [f"{timings[k][j]:.3f}" for k in timings]
+        cells = [f"{timings[k][j]:.3f}" if math.isfinite(timings[k][j]) else "-" for k in timings]  # (-: not timed)
         lines.append(f"| {top} | " + " | ".join(cells) + f" | {rec['names'][j]} |")
     return "\n".join(lines)
 

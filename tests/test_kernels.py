@@ -90,3 +90,29 @@ def test_the_step_report_times_each_forward_against_the_floor():
     assert "| 1 token |" in table and "| 16 tokens |" in table and "streamed at" in table
     assert f"| {times['1'] / times['floor']:.2f} | 1.00 |" in table
     assert len(e.generate("w5 w6 w7", max_new_tokens=4).token_ids) == 4  # the engine decodes after the report
+
+
+def test_a_kernel_far_slower_in_a_bucket_is_not_timed_in_larger_ones(monkeypatch):
+    """measure(): a kernel SLOWER_GONE times a bucket's fastest is not timed again (inf: first use is shorter), is
+    never chosen there, and the tuning table says "-" where it was not timed."""
+    import time
+
+    import dsia.kernels as kernels
+
+    calls = []
+
+    def slow(x, w, b=None):
+        calls.append(x.shape[0])
+        time.sleep(0.002)
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(kernels, "candidates", lambda dtype, device: {"blas": F.linear, "slow": slow})
+    m = tiny_model("llama", 0)
+    *layers, head = [w for lw in Transformer.from_hf(m).layers for w in lw.projections().values()] + [
+        Transformer.from_hf(m).lm_head]
+    timings = kernels.measure(layers, head, repeats=3)
+    assert all(t < float("inf") for t in timings["blas"])
+    assert timings["slow"][0] > kernels.SLOWER_GONE * timings["blas"][0]
+    assert timings["slow"][1:] == [float("inf")] * (len(BUCKETS) - 1) and set(calls) == {BUCKETS[0]}
+    rec = {"names": list(choose(timings).names), "timings_ms": timings}
+    assert rec["names"] == ["blas"] * len(BUCKETS) and "| - |" in format_tuning(rec)

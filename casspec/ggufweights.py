@@ -25,7 +25,7 @@ from dsia.errors import CasspecError
 from dsia.spec import ModelSpec
 
 from .ggufcheck import GGUFFile, GGUFHeader, GGUFTensor
-from .native import DENSE_TYPES, NATIVE_TYPES, decode_blocks, dequantize
+from .native import DENSE_TYPES, NATIVE_TYPES, decode_blocks, dequantize, unpermute
 from .weights import check_tensors
 
 ARCHS = ("llama",)  # general.architecture values read here (SmolLM2, Llama, Mistral as converted by llama.cpp)
@@ -61,13 +61,6 @@ def hf_name(name: str) -> str | None:
     if m is None or m.group(2) not in LAYER_PARTS:
         return None
     return f"model.layers.{m.group(1)}.{LAYER_PARTS[m.group(2)]}.weight"
-
-
-def unpermute(w: Tensor, heads: int) -> Tensor:
-    """llama.cpp's converter stores a q (or k) projection [heads * hd, in] with each head's rows reordered for its
-    RoPE (the rotated pairs interleaved); this puts them back in transformers' order (the halves of the head)."""
-    out = w.shape[0]
-    return w.reshape(heads, out // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def _float32(raw: np.ndarray, t: GGUFTensor) -> Tensor:

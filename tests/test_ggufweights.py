@@ -7,7 +7,8 @@ from tiny import tiny_gguf
 
 from casspec import loading
 from casspec.ggufcheck import GGUFFile
-from casspec.ggufweights import hf_name, state_dict, unpermute
+from casspec.ggufweights import hf_name, state_dict
+from casspec.native import unpermute
 
 
 def transformers_state(path):
@@ -84,3 +85,31 @@ def test_the_cache_is_built_by_it_and_loads_the_same_model(tmp_path, monkeypatch
     assert gguf_reads == []
     for name, w in ref.items():
         assert torch.equal(state[name], w), name
+
+
+def test_the_cache_parses_the_header_once_and_its_tokenizer_loads_by_its_own_class(tmp_path, monkeypatch):
+    """Building the cache, transformers' metadata parse runs once for the tokenizer and the config
+    (metadata_once); a later load reads the saved tokenizer by its fast class (weights.read_tokenizer), the same
+    tokenizer AutoTokenizer gives: ids, special tokens, chat template."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import AutoTokenizer
+
+    from casspec.weights import read_tokenizer
+
+    monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path / "cache"))
+    path = tiny_gguf(tmp_path / "m.gguf", seed=3, dim=64, heads=4, kv_heads=2, qtype="Q4_1")
+    real, parses = gguf_utils.load_gguf_checkpoint, []
+
+    def counting(*args, **kw):
+        parses.append(args[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counting)
+    built = loading.load(str(path))
+    assert len(parses) == 1
+    entry = next(p for p in (tmp_path / "cache").iterdir() if (p / "tokenizer_config.json").is_file())
+    fast, auto = read_tokenizer(entry), AutoTokenizer.from_pretrained(entry)
+    assert type(fast) is type(auto)
+    text = "a b ab ba <s> hello"
+    assert fast(text).input_ids == auto(text).input_ids == built.tokenizer(text).input_ids
+    assert fast.special_tokens_map == auto.special_tokens_map and fast.chat_template == auto.chat_template

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from casspec.engine import Engine
-from casspec.native import decode_blocks, dequantize, kernel
+from casspec.native import _row_order, decode_blocks, dequantize, kernel, unpermute
 from casspec.request import Request
 from dsia.blockq import BlockLinear
 from dsia.cxx import build_error
@@ -33,6 +33,26 @@ def test_blocks_decode_as_gguf_dequantizes_them(kind):
     assert torch.equal(dequantize(kind, q, d, m), ref)
     lo, hi = (-128, 127) if kind == "Q8_0" else (0, 15)
     assert q.shape == (48, 96) and lo <= int(q.min()) and int(q.max()) <= hi
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_row_order_of_stored_blocks_is_found(kind):
+    """_row_order: the stored order, llama.cpp's q/k order (tried on a few rows), any other order (every row matched
+    by its bytes), and blocks that match no row of the weights: one clear error."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(1).normal(0, 0.3, (48, 64)).astype(np.float32)
+    q, d, m = decode_blocks(kind, quantize(w, GGMLQuantizationType[kind]))
+    blocks = (kind, q, d, m)
+    dense = dequantize(kind, q, d, m)
+    assert torch.equal(_row_order(blocks, dense, "t", 0), torch.arange(48))
+    llama = unpermute(torch.arange(48)[:, None], 3)[:, 0]
+    assert torch.equal(_row_order(blocks, dense[llama], "t", 3), llama)
+    shuffled = torch.randperm(48, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_row_order(blocks, dense[shuffled], "t", 3), shuffled)
+    with pytest.raises(CasspecError, match="the GGUF tensor t does not match"):
+        _row_order(blocks, dense + 1.0, "t", 3)
 
 
 @pytest.mark.parametrize("kind", TYPES)

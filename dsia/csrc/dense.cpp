@@ -81,6 +81,13 @@ struct Vec {
   }
   [[gnu::always_inline]] static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   [[gnu::always_inline]] void store(float* p) const { _mm512_storeu_ps(p, v); }
+  [[gnu::always_inline]] float fold() const {  // fold16's additions: l + l+8, + 4, + 2, + 1
+    __m512 a = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));  // 256-bit halves swapped
+    a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1));  // 128-bit quarters swapped in pairs
+    a = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4E));  // (l, l+2)
+    a = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));  // (l, l+1)
+    return _mm512_cvtss_f32(a);
+  }
 };
 // the folds of 16 vectors at once (out[s] = fold16 of v[s], the same additions in the same pairs)
 [[gnu::always_inline]] inline void fold_many(const Vec* v, float* out) {
@@ -157,6 +164,13 @@ struct Vec {
     _mm256_storeu_ps(p, lo);
     _mm256_storeu_ps(p + 8, hi);
   }
+  [[gnu::always_inline]] float fold() const {  // fold16's additions: l + l+8, + 4, + 2, + 1
+    __m256 a = _mm256_add_ps(lo, hi);
+    a = _mm256_add_ps(a, _mm256_permute2f128_ps(a, a, 0x01));  // 128-bit halves swapped
+    a = _mm256_add_ps(a, _mm256_permute_ps(a, 0x4E));
+    a = _mm256_add_ps(a, _mm256_permute_ps(a, 0xB1));
+    return _mm256_cvtss_f32(a);
+  }
 };
 #include "dense_rows.h"
 // 16 registers: one output by 4 rows, or 2 by 2
@@ -193,6 +207,7 @@ struct Vec {
     return r;
   }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  float fold() const { return fold16(v); }
 };
 #include "dense_rows.h"
 template <class Wt>

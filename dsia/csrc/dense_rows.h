@@ -72,9 +72,7 @@ template <int O, int R, class Wt>
     fold_many(flat + i, sums + i);
   }
   for (; i < O * R; ++i) {
-    float lanes[kLanes];
-    flat[i].store(lanes);
-    sums[i] = fold16(lanes);
+    sums[i] = flat[i].fold();  // (each path's Vec folds with fold16's additions)
   }
   for (int r = 0; r < R; ++r) {
     for (int o = 0; o < O; ++o) {

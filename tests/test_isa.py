@@ -25,7 +25,8 @@ TREE = [-1, 0, 0, 1, 2, 2, 4]  # a verification's parents
 @torch.inference_mode()
 def outputs() -> dict[str, torch.Tensor]:
     """Logits of a prefill, a tree's verification and one-token steps of tiny float32 and bfloat16 targets on
-    casspec's products and ops, block products of every kind over 1-9 rows, and the MLP's silu(gate) * up."""
+    casspec's products and ops, block products of every kind over 1-9 rows, the MLP's silu(gate) * up, and attention
+    over heads of 64 and 128 floats."""
     from dsia.blockq import BlockLinear
     from dytc.tree import ancestor_mask, position_ids
     from tiny import tiny_engine
@@ -50,6 +51,13 @@ def outputs() -> dict[str, torch.Tensor]:
         d = torch.rand(40, 3, generator=gen).half().float()  # (float16 scales, as GGUF stores them)
         k = BlockLinear(q, d, torch.randn(40, 3, generator=gen).half().float() if offsets else None, bits)
         out[f"blocks {bits} {offsets}"] = torch.cat([k(torch.randn(T, 96, generator=gen)) for T in range(1, 10)])
+    for hd in (64, 128):  # (heads of 64 and 128 floats: AVX-512 scores a block of 16 keys a row sees at once)
+        q = torch.randn(6, 3, hd, generator=gen)
+        keys, values = torch.randn(2, 60, hd, generator=gen), torch.randn(2, 60, hd, generator=gen)
+        mask = torch.rand(3, 50, generator=gen) < 0.7
+        mask[:, :20] = True  # (a first block seen whole, then blocks seen in part)
+        out[f"attention {hd}"] = torch.cat([torch.ops.casspec.attention(q, keys, values, 50, m, hd ** -0.5)
+                                            for m in (None, mask)])
     edge = torch.tensor([-100.0, -88.0, -20.0, 0.0, 1e-30, 20.0, 88.0, 100.0, -1e-3])  # e^-|g| under and at 1
     g = torch.cat((torch.randn(3, 37, generator=gen) * 4, edge.repeat(3, 1)), dim=1)  # [3, 46]: a tail past 32
     out["silu_mul"] = torch.ops.casspec.silu_mul(g, torch.randn(3, 46, generator=gen))
@@ -71,7 +79,7 @@ def run_child(tmp_path: Path, isa: str | None) -> dict[str, torch.Tensor]:
 def test_the_plain_and_avx2_paths_give_the_widest_paths_bits(tmp_path):
     """(On a machine without AVX-512 the avx2 child runs the widest path again; without AVX2, the plain one.)"""
     widest = run_child(tmp_path, None)
-    assert len(widest) == 10
+    assert len(widest) == 12
     for isa in ("avx2", "plain"):
         other = run_child(tmp_path, isa)
         assert other.keys() == widest.keys()

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "fold512.h"
 #include "ops.h"
 
 namespace casspec {
@@ -89,31 +90,13 @@ struct Vec {
     return _mm512_cvtss_f32(a);
   }
 };
-// the folds of 16 vectors at once (out[s] = fold16 of v[s], the same additions in the same pairs)
+// the folds of 16 vectors at once (out[s] = fold16 of v[s]: fold512.h)
 [[gnu::always_inline]] inline void fold_many(const Vec* v, float* out) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i]'s l + l+8; lanes 8-15: v[2i+1]'s
-    const __m512 lo = _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0x44);  // quarters 0 1 | 0 1
-    const __m512 hi = _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0xEE);  // quarters 2 3 | 2 3
-    a[i] = _mm512_add_ps(lo, hi);
+  __m512 w[16];
+  for (int i = 0; i < 16; ++i) {
+    w[i] = v[i].v;
   }
-  for (int i = 0; i < 4; ++i) {  // quarter q: source 4i + q's l + l+4 (l < 4)
-    const __m512 lo = _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88);  // quarters 0 2 | 0 2
-    const __m512 hi = _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD);  // quarters 1 3 | 1 3
-    b[i] = _mm512_add_ps(lo, hi);
-  }
-  for (int i = 0; i < 2; ++i) {  // per quarter: [b0 + b2, b1 + b3] of b[2i]'s source, then of b[2i+1]'s
-    const __m512 lo = _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44);  // 0 1 | 0 1
-    const __m512 hi = _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE);  // 2 3 | 2 3
-    c[i] = _mm512_add_ps(lo, hi);
-  }
-  const __m512 lo = _mm512_shuffle_ps(c[0], c[1], 0x88);  // 0 2 | 0 2
-  const __m512 hi = _mm512_shuffle_ps(c[0], c[1], 0xDD);  // 1 3 | 1 3
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, _mm512_add_ps(lo, hi));
-  for (int s = 0; s < 16; ++s) {  // source s = 4p + q sits in lane 4q + p
-    out[s] = sums[4 * (s % 4) + s / 4];
-  }
+  _mm512_storeu_ps(out, fold16x16(w));
 }
 #include "dense_rows.h"
 // One row to 4: one output a tile, so each thread reads its weights as one stream (at the bandwidth floor); more

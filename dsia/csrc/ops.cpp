@@ -10,6 +10,8 @@
 // multiply-add is fused behind the code's back, so RoPE is the bits of ATen's x * cos + roll(x) * sin.
 #include "ops.h"
 
+#include "fold512.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace casspec {
@@ -159,14 +162,47 @@ struct Visible {
   const bool* mask;  // or nullptr
   int64_t T, end;
   bool operator()(int64_t t, int64_t j) const { return mask ? mask[t * end + j] : j <= end - T + t; }
+  // whether row t sees all of slots [j, j + 16)
+  bool all(int64_t t, int64_t j) const {
+    if (mask == nullptr) {
+      return j + 15 <= end - T + t;
+    }
+    const bool* m = mask + t * end + j;
+    return std::all_of(m, m + 16, [](bool b) { return b; });
+  }
 };
+
+// Row r's scores of 16 keys (float32, k_stride apart) with an AVX-512 path's registers: key i's q . k as `attend_impl`
+// computes it per key (lane-wise products of the head's chunks, summed chunk by chunk), the 16 folds at once,
+// times scale, into out[0..16). Returns 16. (A call, not inlined: its caller is compiled for every path.)
+template <int64_t C>
+__attribute__((target("avx512f"))) int64_t block16(const float* qh, const float* keys, int64_t k_stride, float scale,
+                                                  float* out) {
+  __m512 qc[C], d[16];
+#pragma GCC unroll 8
+  for (int64_t c = 0; c < C; ++c) {
+    qc[c] = _mm512_loadu_ps(qh + c * 16);
+  }
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < 16; ++i) {
+    const float* k = keys + i * k_stride;
+    __m512 s = _mm512_mul_ps(qc[0], _mm512_loadu_ps(k));
+#pragma GCC unroll 8
+    for (int64_t c = 1; c < C; ++c) {
+      s = _mm512_add_ps(s, _mm512_mul_ps(qc[c], _mm512_loadu_ps(k + c * 16)));
+    }
+    d[i] = s;
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(fold16x16(d), _mm512_set1_ps(scale)));
+  return 16;
+}
 
 // Rows [r0, r1) (R of them), each with G query heads (row r, head h at q + r * q_row + h * q_head), attending over
 // the keys they see of one KV head: out row r, head h at out + r * out_row + h * hd. Each key and value is read
 // once for every row and head that sees it; each row's scores are kept in its own order of keys (position
 // order), so what a row gets does not depend on the rows beside it. C: the head's 16-float chunks, a constant for
 // the usual head dims (their chunks then stay in registers; 0: any hd up to 256).
-template <int64_t C, class KV>
+template <int64_t C, class KV, bool Wide>
 [[gnu::always_inline]] inline void attend_impl(const float* q, int64_t q_row, int64_t q_head, const KV* keys,
                                                int64_t k_stride, const KV* values, int64_t v_stride,
                                                const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd,
@@ -196,35 +232,35 @@ template <int64_t C, class KV>
       }
     }
   }
-  v16 part[kMaxChunks];
-  std::vector<int64_t> at(R, 0);  // each row's next score
-  for (int64_t j = 0; j < seen.end; ++j) {  // scores
-    bool any = false;
-    for (int64_t r = 0; r < R && !any; ++r) {
-      any = seen(r0 + r, j);
-    }
-    if (!any) {
-      continue;
-    }
-    const KV* k = keys + j * k_stride;
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < chunks; ++c) {
-      part[c] = load(k + c * kLanes, width(c));
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      if (!seen(r0 + r, j)) {
-        continue;
-      }
-      for (int64_t h = 0; h < G; ++h) {
-        const float* qh = qv.data() + (r * G + h) * chunks * kLanes;
-        v16 d = load(qh) * part[0];
-#pragma GCC unroll 16
-        for (int64_t c = 1; c < chunks; ++c) {
-          d += load(qh + c * kLanes) * part[c];
+  // scores, per row and head in position order; on AVX-512 (float32 keys, 64- or 128-float heads) a block of 16
+  // keys the row sees all of goes at once: the same products and sums, the 16 folds together (fold512.h)
+  constexpr bool kBlocks16 = Wide && std::is_same_v<KV, float> && (C == 4 || C == 8);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qv.data() + (r * G + h) * chunks * kLanes;
+      float* row = scores.data() + first[r] + h * padded[r];
+      int64_t at = 0;  // the row's next score
+      for (int64_t j0 = 0; j0 < seen.end; j0 += kLanes) {
+        const int64_t n = std::min(kLanes, seen.end - j0);
+        if constexpr (kBlocks16) {
+          if (n == kLanes && seen.all(r0 + r, j0)) {
+            at += block16<C>(qh, reinterpret_cast<const float*>(keys) + j0 * k_stride, k_stride, scale, row + at);
+            continue;
+          }
         }
-        scores[first[r] + h * padded[r] + at[r]] = fold(d) * scale;
+        for (int64_t j = j0; j < j0 + n; ++j) {
+          if (!seen(r0 + r, j)) {
+            continue;
+          }
+          const KV* k = keys + j * k_stride;
+          v16 d = load(qh) * load(k, width(0));
+#pragma GCC unroll 16
+          for (int64_t c = 1; c < chunks; ++c) {
+            d += load(qh + c * kLanes) * load(k + c * kLanes, width(c));
+          }
+          row[at++] = fold(d) * scale;
+        }
       }
-      ++at[r];
     }
   }
   std::vector<float> total(R * G);
@@ -281,20 +317,20 @@ template <int64_t C, class KV>
 }
 
 // hd's chunks as a constant for the usual head dims
-template <class KV>
+template <class KV, bool Wide>
 [[gnu::always_inline]] inline void attend_hd(const float* q, int64_t q_row, int64_t q_head, const KV* keys,
                                              int64_t k_stride, const KV* values, int64_t v_stride, const Visible& seen,
                                              int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float* out,
                                              int64_t out_row) {
   switch (hd) {
     case 64:
-      return attend_impl<4>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
+      return attend_impl<4, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
                             out_row);
     case 128:
-      return attend_impl<8>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
+      return attend_impl<8, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
                             out_row);
     default:
-      return attend_impl<0>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
+      return attend_impl<0, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
                             out_row);
   }
 }
@@ -309,15 +345,15 @@ template <class KV>
 #define CASSPEC_ATTEND_CALL q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out, out_row
 template <class KV>
 __attribute__((target("avx512f"))) void attend_avx512(CASSPEC_ATTEND_ARGS) {
-  attend_hd(CASSPEC_ATTEND_CALL);
+  attend_hd<KV, true>(CASSPEC_ATTEND_CALL);
 }
 template <class KV>
 __attribute__((target("avx2"))) void attend_avx2(CASSPEC_ATTEND_ARGS) {
-  attend_hd(CASSPEC_ATTEND_CALL);
+  attend_hd<KV, false>(CASSPEC_ATTEND_CALL);
 }
 template <class KV>
 void attend_plain(CASSPEC_ATTEND_ARGS) {
-  attend_hd(CASSPEC_ATTEND_CALL);
+  attend_hd<KV, false>(CASSPEC_ATTEND_CALL);
 }
 template <class KV>
 void attend(CASSPEC_ATTEND_ARGS) {

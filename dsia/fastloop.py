@@ -10,7 +10,10 @@ layer runs both sublayers with products that are packed 4-bit kernels (the int4 
 without q|k|v and gate|up fused, with or without biases, and a batch-invariant target's attention where its products
 are all packed (a GGUF target run as stored); the others (skipped sublayers, an early exit, sparse MLPs, other
 quantized kernels, oneDNN's product, q/k norms, batch-invariant targets with dense products) run the Python loop.
-Where no compiler is found the build fails once, quietly, and every forward runs the Python loop.
+Where no compiler is found the build fails once, quietly, and every forward runs the Python loop. A float32 call
+whose every product is casspec's own (blocks, or dense weights on casspec's kernel) and whose norms, RoPE and
+attention are casspec's ops runs its layers in one parallel region instead (csrc/step.cpp: no ATen op between
+them; the same bits, `LayerStack.one_region`).
 
 The same library holds casspec's own ops: for a float32 forward's small steps (csrc/ops.cpp: RMSNorm with the
 residual add, RoPE, and an attention that computes each row over its own keys, so a row's bits do not depend on the
@@ -70,6 +73,11 @@ class LayerStack:
     """A plan's layers as one C++ object (torch.classes.casspec.Stack), and the slots it was built from."""
     stack: object
     slots: tuple[Slot, ...]  # [7L]
+
+    @functools.cached_property
+    def one_region(self) -> bool:
+        """Whether its float32 calls with casspec's ops and attention run in one parallel region (csrc/step.cpp)."""
+        return bool(self.stack.one_region())
 
     @functools.cached_property
     def dense(self) -> bool:

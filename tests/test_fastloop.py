@@ -56,6 +56,7 @@ def test_block_levels_run_the_same_bits_in_the_cpp_loop(arch, dtype, name):
     stack = fast.stacks.get(fast, level.plan)
     assert stack is not None and not stack.dense
     assert {slot.kind for slot in stack.slots if slot.weight.numel()} == {BLOCKS}
+    assert stack.one_region == (dtype == torch.float32)  # (one region: float32 activations only)
     assert_same(fast, slow, level.plan)
 
 
@@ -110,7 +111,7 @@ def one_region_outputs(model, plan: Plan, rows: int) -> tuple[torch.Tensor, ...]
 
 def assert_one_region(fast, slow, plan: Plan, rows: int) -> None:
     """The C++ loop's stack runs in one region and gives the Python loop's bits on one thread and on two."""
-    assert fast.stacks.get(fast, plan).stack.one_region()
+    assert fast.stacks.get(fast, plan).one_region
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):

@@ -133,6 +133,32 @@ def test_own_kernels_run_in_one_parallel_region_with_the_same_bits(arch, name):
     assert_one_region(*both(eng.model), plan, 40)
 
 
+@pytest.mark.parametrize("dim,heads,kv_heads", [(40, 5, 1), (72, 3, 3), (48, 2, 1)])
+def test_odd_widths_run_in_one_parallel_region_with_the_same_bits(dim, heads, kv_heads):
+    """Widths that fill no 16-float chunk or 32-input block (heads of 8, 24 and 24 floats, an MLP of 2 x dim) in the
+    one-region step of a dense target on casspec's kernel: the Python loop's one-token steps, on one and two threads."""
+    eng = tiny_engine("llama", seed=5, kernels="casspec", dim=dim, heads=heads, kv_heads=kv_heads)
+    fast, slow = both(eng.model)
+    assert fast.stacks.get(fast, TARGET).one_region
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs = []
+            for model in (fast, slow):
+                cache = model.new_cache(32)
+                run(model, TARGET, cache, [3, 9, 27, 81 % 97], 0, None)
+                cache.commit(list(range(4)))
+                steps = []
+                for tok in (5, 6, 7):
+                    steps.append(run(model, TARGET, cache, [tok], cache.length, None))
+                    cache.commit([0])
+                outs.append((torch.cat(steps), cache.k[:, :, :cache.length].clone()))
+            assert all(torch.equal(a, b) for a, b in zip(*outs))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_a_native_target_runs_in_one_parallel_region(tmp_path, qtype):
     """A GGUF target run as stored (batch-invariant: every forward attends with casspec's attention) runs each

@@ -25,7 +25,7 @@
 namespace casspec {
 namespace {
 
-constexpr int64_t kBlock = 32;  // weights per block
+constexpr int64_t kBlock = raw::kBlockInputs;  // weights per block (32)
 constexpr int64_t kTile = 16;  // outputs per tile, one per float lane
 constexpr int64_t kGroups = kBlock / 4;  // groups of 4 inputs per block (a 32-bit lane's 4 bytes)
 constexpr int64_t kAheadBytes = 8192;  // how far ahead in the codes (and as many blocks ahead in the scales) a tile's

@@ -28,7 +28,6 @@ namespace casspec {
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kRowBlock = 16;  // query rows an attention task takes together (each key read once for them)
 typedef float v16 __attribute__((vector_size(64), aligned(4)));  // 16 floats, unaligned loads and stores
 typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
 

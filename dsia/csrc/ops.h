@@ -16,6 +16,7 @@ constexpr int64_t kMaxHeadDim = 256;  // the widest attention head the ops take 
 enum Isa : int64_t { kAuto = -1, kPlain = 0, kAvx2 = 1, kAvx512 = 2 };
 Isa machine_isa();
 
+constexpr int64_t kRowBlock = 16;  // query rows an attention task takes together (each key read once for them)
 constexpr int64_t kParallelWork = 1 << 18;  // an attention or a block product of more multiply-adds than this runs
                                             // on every thread (fewer: waking the other costs more)
 

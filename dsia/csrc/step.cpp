@@ -23,8 +23,6 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int64_t tid, int64_t n) 
   return {count * tid / n, count * (tid + 1) / n};
 }
 
-constexpr int64_t kRowBlock = 16;  // query rows an attention item takes (each key read once for them)
-
 }  // namespace
 
 int64_t StepGroup::units() const {

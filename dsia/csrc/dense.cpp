@@ -201,11 +201,10 @@ void range(const Job<Wt>& j, int64_t a, int64_t b) { tiles<1, 1>(j, a, b); }
 
 namespace {
 constexpr int64_t kTaskOutputs = 16;  // outputs a thread's task takes at least
-}  // namespace
 
-void raw::dense_range(const float* x, const float* w, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
-                      int64_t lo, int64_t hi, Isa isa) {
-  const Job<float> j{x, w, bias, y, T, K, hi, ldy};  // (outputs past hi are not read)
+// outputs [lo, hi) of every row of the job, by the loop of instruction set `isa`
+template <class Wt>
+void range_on(const Job<Wt>& j, int64_t lo, int64_t hi, Isa isa) {
   if (isa == kAvx512) {
     dense512::range(j, lo, hi);
   } else if (isa == kAvx2) {
@@ -213,6 +212,12 @@ void raw::dense_range(const float* x, const float* w, const float* bias, float* 
   } else {
     dense_plain::range(j, lo, hi);
   }
+}
+}  // namespace
+
+void raw::dense_range(const float* x, const float* w, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
+                      int64_t lo, int64_t hi, Isa isa) {
+  range_on(Job<float>{x, w, bias, y, T, K, hi, ldy}, lo, hi, isa);  // (outputs past hi are not read)
 }
 
 // x [T, K] and w [N, K] contiguous, both float32 or both bfloat16, bias [N] in their dtype or none; isa: -1 the best
@@ -244,14 +249,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   const int64_t grain = std::max<int64_t>(1, kParallelWork / work);
   auto run = [&](const auto& j) {
     at::parallel_for(0, tasks, grain, [&](int64_t a, int64_t b) {
-      const int64_t lo = a * kTaskOutputs, hi = std::min(N, b * kTaskOutputs);
-      if (use == kAvx512) {
-        dense512::range(j, lo, hi);
-      } else if (use == kAvx2) {
-        dense256::range(j, lo, hi);
-      } else {
-        dense_plain::range(j, lo, hi);
-      }
+      range_on(j, a * kTaskOutputs, std::min(N, b * kTaskOutputs), use);
     });
   };
   if (dtype == at::kFloat) {

@@ -509,6 +509,23 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+at::Tensor visible_mask(const std::optional<at::Tensor>& mask, int64_t T, int64_t end, const char* what) {
+  if (!mask) {
+    return at::Tensor();
+  }
+  TORCH_CHECK(mask->defined() && mask->device().is_cpu() && mask->dim() == 2 && mask->size(0) == T &&
+                  mask->size(1) == end,
+              what, ": mask [", T, ", ", end, "] on the CPU expected, got ",
+              mask->defined() ? mask->sizes() : at::IntArrayRef{});
+  at::Tensor m = mask->to(at::kBool).contiguous();
+  const bool* rows = m.data_ptr<bool>();
+  for (int64_t t = 0; t < T; ++t) {  // (a row that sees no key has no softmax)
+    TORCH_CHECK(std::find(rows + t * end, rows + (t + 1) * end, true) != rows + (t + 1) * end, what,
+                ": query row ", t, " of the mask sees no key");
+  }
+  return m;
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t end,
                      const std::optional<at::Tensor>& mask, double scale) {
   const at::ScalarType dtype = q.scalar_type();
@@ -528,19 +545,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   TORCH_CHECK(end >= T && end <= keys.size(1), "casspec attention: end ", end, " must cover the ", T,
               " query rows and lie within the ", keys.size(1), " slots");
   TORCH_CHECK(std::isfinite(scale), "casspec attention: a finite scale expected, got ", scale);
-  at::Tensor m;
-  if (mask) {
-    TORCH_CHECK(mask->defined() && mask->device().is_cpu() && mask->dim() == 2 && mask->size(0) == T &&
-                    mask->size(1) == end,
-                "casspec attention: mask [", T, ", ", end, "] on the CPU expected, got ",
-                mask->defined() ? mask->sizes() : at::IntArrayRef{});
-    m = mask->to(at::kBool).contiguous();
-    const bool* rows = m.data_ptr<bool>();
-    for (int64_t t = 0; t < T; ++t) {  // (a row that sees no key has no softmax)
-      TORCH_CHECK(std::find(rows + t * end, rows + (t + 1) * end, true) != rows + (t + 1) * end,
-                  "casspec attention: query row ", t, " of the mask sees no key");
-    }
-  }
+  const at::Tensor m = visible_mask(mask, T, end, "casspec attention");
   const at::Tensor qf = q.to(at::kFloat);  // (bfloat16 to float32 is exact; a float32 q is itself)
   at::Tensor out = at::empty({T, H * hd}, qf.options());  // [T, H*hd]: the output projection's input
   const int64_t G = H / Hkv;

@@ -50,6 +50,10 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t end,
                      const std::optional<at::Tensor>& mask, double scale);
 
+// an attention's mask [T, end] as contiguous bools (undefined where there is none: causal by slot), checked: its
+// shape, and that every row sees a key (`what` names the caller in the error)
+at::Tensor visible_mask(const std::optional<at::Tensor>& mask, int64_t T, int64_t end, const char* what);
+
 // gated MLP activation silu(gate) * up of gate, up [T, I] (rows of any stride): [T, I], each element as
 // silu_mul_row computes it
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);

@@ -174,18 +174,10 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
                   k_all.size(0) >= L && k_all.size(3) == hd,
               kWhat, ": float32 K and V caches [", L, ", ", Hkv, ", S, ", hd, "] contiguous expected");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
-  at::Tensor m;
-  if (mask) {
-    m = mask->to(at::kBool).contiguous();
-    const bool* rows = m.data_ptr<bool>();
-    for (int64_t t = 0; t < T; ++t) {  // (a row that sees no key has no softmax)
-      TORCH_CHECK(std::find(rows + t * end, rows + (t + 1) * end, true) != rows + (t + 1) * end, kWhat,
-                  ": query row ", t, " of the mask sees no key");
-    }
-  }
+  const at::Tensor m = visible_mask(mask, T, end, kWhat);
   const bool* seen = m.defined() ? m.data_ptr<bool>() : nullptr;
   const auto f = x_in.options().dtype(at::kFloat);
-  at::Tensor x = x_in.contiguous().clone(), delta = at::empty({T, D}, f), h = at::empty({T, D}, f);
+  at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous), delta = at::empty({T, D}, f), h = at::empty({T, D}, f);
   at::Tensor qkv = at::empty({T, (H + 2 * Hkv) * hd}, f), q = at::empty({T, HD}, f), att = at::empty({T, HD}, f);
   at::Tensor gu = at::empty({T, 2 * I}, f), act = at::empty({T, I}, f);
   at::Tensor xq = at::empty({T * widest_}, f.dtype(at::kChar));

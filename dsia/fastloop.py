@@ -32,8 +32,9 @@ import torch
 from torch import Tensor
 
 from .blockq import BlockLinear
+from .cxx import LIBRARY_DTYPES
 from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
-from .kernels import kernel_for, mkl_packed
+from .kernels import casspec_panels, kernel_for, mkl_packed
 from .model import EAGER, FUSED_GROUPS, KvAccess, Pointwise, Transformer
 from .plan import Plan
 from .quant import FusedLinear, Int4Linear, Int8GroupLinear
@@ -53,6 +54,9 @@ class Unsupported(Exception):
     """A plan the C++ loop does not run (the Python loop does)."""
 
 
+EMPTY = torch.empty(0)
+
+
 @dataclass(frozen=True)
 class Slot:
     kind: int  # NONE, PACKED, DENSE or BLOCKS
@@ -62,9 +66,9 @@ class Slot:
     group_size: int = 0  # packed; blocks: the outputs
     doubled: int = 0  # packed: 1 where the kernel takes [x, x] (Int8GroupLinear)
     act_dtype: torch.dtype | None = None  # packed: the activations' dtype
+    panels: Tensor = EMPTY  # dense: casspec's panels of the weight where casspec's kernel may run it
 
 
-EMPTY = torch.empty(0)
 EMPTY_SLOT = Slot(NONE, EMPTY, EMPTY, EMPTY)
 
 
@@ -112,7 +116,9 @@ def _packed_slot(kernel: object, bias: Tensor | None) -> Slot:
 
 def _dense_slot(model: Transformer, w: Tensor, bias: Tensor | None) -> Slot:
     mkl = "mkl" in model.dense.names and w.dtype == torch.float32
-    return Slot(DENSE, w, mkl_packed(w) if mkl else EMPTY, EMPTY if bias is None else bias)
+    own = "casspec" in model.dense.names and w.dtype in LIBRARY_DTYPES
+    return Slot(DENSE, w, mkl_packed(w) if mkl else EMPTY, EMPTY if bias is None else bias,
+                panels=casspec_panels(w) if own else EMPTY)
 
 
 def _linear_slot(model: Transformer, plan: Plan, i: int, name: str) -> Slot:
@@ -160,7 +166,8 @@ def layer_stack(model: Transformer, plan: Plan) -> LayerStack | None:
     norms = [w for lw in model.layers for w in (lw.attn_norm, lw.mlp_norm)]
     stack = torch.classes.casspec.Stack(
         norms, [slot.kind for slot in slots], [slot.weight for slot in slots], [slot.aux for slot in slots],
-        [slot.bias for slot in slots], [slot.group_size for slot in slots], [slot.doubled for slot in slots],
+        [slot.panels for slot in slots], [slot.bias for slot in slots], [slot.group_size for slot in slots],
+        [slot.doubled for slot in slots],
         SCALAR_TYPE[acts.pop() if acts else torch.float32], s.n_heads, s.n_kv_heads, s.norm_eps,
         [BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS])
     return LayerStack(stack, tuple(slots))

@@ -48,23 +48,36 @@ def _mkl_available() -> bool:
         return False
 
 
-class PackedSgemm:
-    """MKL's sgemm (cblas_sgemm_compute) over each weight packed once into MKL's blocked layout (cblas_sgemm_pack,
-    through the ops torch.compile's CPU backend emits for frozen float32 linears). A weight is packed on its first
-    product, or ahead by `pack`; the packed copy (about the weight's size) lives as long as the weight does."""
+class PackedCopies:
+    """Each weight's copy in a kernel's own layout, made once by `pack_fn` (on its first product, or ahead by
+    `pack`), kept as long as the weight lives and made again where the weight was changed in place since (its
+    version counter moved; an inference tensor has none, and is taken as unchanged)."""
 
-    def __init__(self) -> None:
-        self._packed: dict[int, Tensor] = {}  # id(weight) -> its packed copy
+    def __init__(self, pack_fn: Callable[[Tensor], Tensor]) -> None:
+        self.pack_fn = pack_fn
+        self._packed: dict[int, tuple[int, Tensor]] = {}  # id(weight) -> (its version when packed, its packed copy)
 
     def pack(self, w: Tensor) -> Tensor:
-        packed = self._packed.get(id(w))
-        if packed is None:
-            packed = self._packed[id(w)] = torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), MKL_PACK_ROWS)
+        found, version = self._packed.get(id(w)), -1 if w.is_inference() else w._version
+        if found is not None and found[0] == version:
+            return found[1]
+        if found is None:
             weakref.finalize(w, self._packed.pop, id(w), None)  # (an id is reused once its weight is gone)
+        packed = self.pack_fn(w.contiguous())
+        self._packed[id(w)] = (version, packed)
         return packed
 
     def drop(self, w: Tensor) -> None:
         self._packed.pop(id(w), None)
+
+
+class PackedSgemm(PackedCopies):
+    """MKL's sgemm (cblas_sgemm_compute) over each weight packed once into MKL's blocked layout (cblas_sgemm_pack,
+    through the ops torch.compile's CPU backend emits for frozen float32 linears); the packed copy is about the
+    weight's size."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, MKL_PACK_ROWS))
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         x = x.contiguous()  # [T, in]
@@ -76,15 +89,17 @@ def _casspec_available() -> bool:
 
 
 def _casspec(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """casspec's own product (csrc/dense.cpp; float32, or bfloat16 summed in float32 and rounded once): each output
-    summed in 16 lanes in input order with fused multiply-adds, folded in a fixed order, so a row's bits do not
-    depend on the rows beside it, the call's row count or the CPU's instruction set."""
-    return torch.ops.casspec.dense_linear(x, w, b)
+    """casspec's own product (csrc/dense.cpp; float32, or bfloat16 summed in float32 and rounded once) over the
+    weight's panels (64 outputs by every input, packed once: `casspec_panels`): each output summed in input order
+    with fused multiply-adds, so a row's bits do not depend on the rows beside it, the call's row count or the
+    CPU's instruction set."""
+    return torch.ops.casspec.dense_panels(x, _PANELS.pack(w), w.shape[0], b)
 
 
 # kernels that run on a CPU only and compute only these dtypes (a product outside them goes to BLAS)
 CPU_DTYPES = {"onednn": (torch.float32,), "mkl": (torch.float32,), "casspec": LIBRARY_DTYPES}
-_PACKED = PackedSgemm()  # the one store of packed weights
+_PACKED = PackedSgemm()  # the one store of MKL's packed weights
+_PANELS = PackedCopies(lambda w: torch.ops.casspec.dense_pack(w))  # the one store of casspec's panels
 KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn, "mkl": _PACKED,
                                "casspec": _casspec}  # every dense kernel by name
 
@@ -92,6 +107,11 @@ KERNELS: dict[str, DenseFn] = {"blas": F.linear, "onednn": _onednn, "mkl": _PACK
 def mkl_packed(w: Tensor) -> Tensor:
     """w's copy in MKL's packed layout, the one `mkl` multiplies (packed now unless it is already)."""
     return _PACKED.pack(w)
+
+
+def casspec_panels(w: Tensor) -> Tensor:
+    """w [N, K]'s panels [ceil(N / 64), K, 64], the layout `casspec` multiplies (packed now unless it is already)."""
+    return _PANELS.pack(w)
 
 
 def kernel_for(dense: DenseKernels, tokens: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -154,10 +174,11 @@ class DenseKernels:
         """Pack ahead the weights a chosen kernel keeps in its own layout (set-up time, not the first step's), and
         free the packed copies of those no chosen kernel reads (e.g. packed while measuring)."""
         for w in weights:
-            if "mkl" in self.names and w.dtype == torch.float32 and w.device.type == "cpu":
-                _PACKED.pack(w)
-            elif "mkl" not in self.names:
-                _PACKED.drop(w)
+            for name, store in (("mkl", _PACKED), ("casspec", _PANELS)):
+                if name in self.names and w.dtype in CPU_DTYPES[name] and w.device.type == "cpu":
+                    store.pack(w)
+                elif name not in self.names:
+                    store.drop(w)
 
     @staticmethod
     def default(dtype: torch.dtype, device: torch.device | str) -> "DenseKernels":

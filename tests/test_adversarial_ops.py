@@ -221,7 +221,8 @@ def stack_args(layers=1, heads=H, kv_heads=HKV, block=64, kinds=None, n_norms=No
     empty = torch.empty(0)
     n_slots = 7 * layers
     return ([torch.ones(D)] * (2 * layers if n_norms is None else n_norms), kinds or [1] * n_slots, weights,
-            [empty] * n_slots, [empty] * n_slots, [0] * n_slots, [0] * n_slots, 6, heads, kv_heads, 1e-5,
+            [empty] * n_slots, [empty] * n_slots, [empty] * n_slots, [0] * n_slots, [0] * n_slots, 6, heads,
+            kv_heads, 1e-5,
             [block, 5, 1 << 20])
 
 

@@ -1,7 +1,7 @@
 """casspec's own dense product (dsia/csrc/dense.cpp, the `casspec` kernel), float32 and bfloat16: close to F.linear,
 each row the same bits whatever the rows beside it and the call's row count (by construction: every output summed in
-the same lane order), the same bits from its AVX-512, AVX2 and plain loops, every argument checked; and an engine
-running it decodes the target's tokens with every method."""
+input order), the same bits from its AVX-512, AVX2 and plain loops and over a weight's panels packed once, every
+argument checked; and an engine running it decodes the target's tokens with every method."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,7 @@ def test_large_products_split_between_threads_keep_their_bits():
 
 def test_its_arguments_are_checked():
     x, w, b = torch.randn(2, 32), torch.randn(8, 32), torch.randn(8)
-    for args, needle in [((x, w[:, :16], b), r"w \[N, 32\]"), ((x, w.t().contiguous().t(), b), "contiguous"),
+    for args, needle in [((x, w[:, :16], b), r"w \[N, 32\]"),
                          ((x, w, b[:4]), "bias of 8"), ((x, w, b.double()), "Float expected"),
                          ((x.bfloat16(), w, b), "BFloat16 expected"), ((x.double(), w, b), "float32 or bfloat16 x"),
                          ((x.bfloat16(), w.bfloat16(), b), "BFloat16 expected"), ((x[None], w, b), "2 dims expected"),
@@ -85,6 +85,39 @@ def test_its_arguments_are_checked():
             ops.dense_linear(*args, -1)
     with pytest.raises(RuntimeError, match="isa 9"):
         ops.dense_linear(x, w, b, 9)
+    panels = ops.dense_pack(w)  # [1, 32, 64]
+    for args, needle in [((x, panels, 65, None), r"panels \[2, 32, 64\] contiguous expected"),
+                         ((x, panels[:, :16], 8, b), r"panels \[1, 32, 64\]"),
+                         ((x, panels.transpose(1, 2).contiguous().transpose(1, 2), 8, b), "contiguous"),
+                         ((x, panels, -1, b), "panels"), ((x, panels.double(), 8, b), "Float expected"),
+                         ((x, panels[0], 8, b), "3 dims expected")]:
+        with pytest.raises(RuntimeError, match=needle):
+            ops.dense_panels(*args, -1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 100), st.integers(1, 200), st.booleans(), st.integers(0, 2**31 - 1))
+def test_the_product_over_a_weights_panels_is_the_product_of_the_weight(T, K, N, bf16, seed):
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x, w = torch.randn(T, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+    panels = ops.dense_pack(w)  # outputs in groups of 64 as [K][64], zeros past N
+    assert panels.shape == ((N + 63) // 64, K, 64) and panels.dtype == dtype
+    assert torch.equal(panels.permute(0, 2, 1).reshape(-1, K)[:N], w)
+    assert not panels.permute(0, 2, 1).reshape(-1, K)[N:].any()
+    for isa in isas():
+        assert torch.equal(ops.dense_panels(x, panels, N, None, isa), ops.dense_linear(x, w, None, -1))
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    from dsia.kernels import casspec_panels
+    w = torch.randn(70, 32)
+    first = casspec_panels(w)
+    assert casspec_panels(w) is first  # (packed once)
+    w.mul_(2)
+    assert torch.equal(casspec_panels(w), ops.dense_pack(w))
+    x = torch.randn(3, 32)
+    assert torch.equal(DenseKernels.forced("casspec")(x, w), ops.dense_linear(x, w, None, -1))
 
 
 def test_the_engine_with_it_decodes_the_targets_tokens():

@@ -152,8 +152,9 @@ def test_every_method_gives_native_ars_tokens(engines, prompt, method):
     ref = native.generate_ids(prompt, Request(max_new_tokens=20, method="ar")).token_ids
     got = native.generate_ids(prompt, Request(max_new_tokens=20, method=method))
     assert got.token_ids == ref
-    if method not in ("pld", "dytc"):  # (a lookup may find nothing; dytc may verify the root alone, its levels
-        assert got.stats.tree_nodes > 0  # costing about what this target does): the levels' drafts were verified
+    if method not in ("pld", "dytc") and len(ref) > 1:  # (a lookup may find nothing; dytc may verify the root
+        # alone, its levels costing about what this target does; the first token may end the answer)
+        assert got.stats.tree_nodes > 0  # the levels' drafts were verified
 
 
 def test_native_needs_a_gguf_file(tmp_path):

@@ -1,15 +1,17 @@
-// A dense float32 or bfloat16 product on the CPU (torch.ops.casspec.dense_linear): y [T, N] = x [T, K] @ w [N, K]^T
+// A dense float32 or bfloat16 product on the CPU (torch.ops.casspec.dense_panels): y [T, N] = x [T, K] @ w [N, K]^T
 // (+ bias), casspec's own, so that its bits do not rest on what a vendor kernel happens to do on the CPU at hand.
 //
-// Each output's sum runs in 16 lanes: lane l takes inputs k = 16 c + l for c = 0, 1, ... in order, one fused
-// multiply-add each (inputs past K are zeros), then the lanes are folded in halves (l + l+8, + 4, + 2, + 1) and the
-// bias added. That sequence is the same whatever the call's row count, whichever rows sit beside a row and however
-// the outputs are split between threads, so a row's result is the same bits in a one-token step and in a tree's
-// verification (batch-invariant by construction). The AVX-512, AVX2 and plain loops run the same lane operations
-// (a fused multiply-add is exact before its one rounding, so std::fma gives the instructions' bits), so a row's
-// result is also the same on every machine. The loops share their tiling code (dense_rows.h, included once per
-// instruction set): a tile of O outputs by R rows loads each 16-input chunk of its weights once for its R rows, and
-// its next rows find them in L1.
+// The weights are read as panels (dense_pack, once per weight): group g holds outputs [64 g, 64 g + 64) as [K][64]
+// (zeros past N), so one 16-lane load is one input of 16 outputs, and a group is one stream from memory. Output n of a row starts at zero and takes inputs
+// k = 0, 1, ..., K - 1 in order, one fused multiply-add each, then the bias. That sequence is the same whatever the
+// call's row count, whichever rows sit beside a row and however the panels are split between threads, so a row's
+// result is the same bits in a one-token step and in a tree's verification (batch-invariant by construction). The
+// AVX-512, AVX2 and plain loops run the same operations per output (a fused multiply-add is exact before its one
+// rounding, so std::fma gives the instructions' bits), so a row's result is also the same on every machine. The
+// loops share their tiling code (dense_rows.h, included once per instruction set): a tile of O vectors of a group
+// by R rows loads each weight once for its R rows (outer products: no sum is folded across lanes, so a tile runs at
+// the multiply-add units' rate), its next rows find the group in the cache, and memory streams the next group
+// meanwhile.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,20 +22,21 @@
 #include <cstring>
 #include <type_traits>
 
-#include "fold512.h"
 #include "ops.h"
 
 namespace casspec {
 namespace {
-constexpr int64_t kLanes = 16;
-constexpr int64_t kAheadBytes = 8192;  // a tile's first rows prefetch the weights this far ahead (the tile's own at
-// one output a tile were too near: 1.2x the bandwidth floor in float32 against 1.3x, bfloat16 1.2x against 1.5x)
+constexpr int64_t kLanes = 16;  // outputs a vector
+constexpr int64_t kGroup = 64;  // outputs a group of the panels (4 vectors: an AVX-512 tile's width)
+constexpr int64_t kAheadBytes = 8192;  // a group swept once (up to 6 rows) prefetches its stream this far ahead (as
+// the row-major kernel before it found best: 1.2x the bandwidth floor in float32 against 1.3x)
 
-// a call's operands, all float32 or all bfloat16 (Wt float, or uint16_t: bfloat16's bits)
+// a call's operands: x widened to float32; the panels, the bias and the output all float32 or all bfloat16 (Wt
+// float, or uint16_t: bfloat16's bits)
 template <class Wt>
 struct Job {
-  const Wt* x;  // [T, K]
-  const Wt* w;  // [N, K]
+  const float* x;  // [T, K]
+  const Wt* w;  // panels [ceil(N / 64), K, 64]
   const Wt* bias;  // [N] or nullptr
   Wt* y;  // [T, N], rows ldy apart
   int64_t T, K, N, ldy;
@@ -51,14 +54,6 @@ inline Wt narrow(float v) {
     return c10::BFloat16(v).x;
   }
 }
-
-// the 16 lanes' sum, folded in halves (lane i + lane i + 8, then + 4, + 2, + 1): the same order in every path
-inline float fold16(const float* v) {
-  float a[8], b[4];
-  for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i + 8];
-  for (int i = 0; i < 4; ++i) b[i] = a[i] + a[i + 4];
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
 }  // namespace
 
 #pragma GCC push_options
@@ -68,49 +63,19 @@ namespace {
 struct Vec {
   __m512 v;
   [[gnu::always_inline]] static Vec zero() { return {_mm512_setzero_ps()}; }
-  [[gnu::always_inline]] static Vec load(const float* p, int64_t n) {
-    return {n == kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
-  }
-  [[gnu::always_inline]] static Vec load(const uint16_t* p, int64_t n) {  // bfloat16 bits, widened exactly
-    alignas(32) uint16_t t[kLanes] = {};
-    if (n < kLanes) {
-      std::memcpy(t, p, sizeof(uint16_t) * n);
-      p = t;
-    }
+  [[gnu::always_inline]] static Vec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  [[gnu::always_inline]] static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  [[gnu::always_inline]] static Vec load(const uint16_t* p) {  // bfloat16 bits, widened exactly
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
   }
   [[gnu::always_inline]] static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   [[gnu::always_inline]] void store(float* p) const { _mm512_storeu_ps(p, v); }
-  [[gnu::always_inline]] float fold() const {  // fold16's additions: l + l+8, + 4, + 2, + 1
-    __m512 a = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));  // 256-bit halves swapped
-    a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1));  // 128-bit quarters swapped in pairs
-    a = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4E));  // (l, l+2)
-    a = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));  // (l, l+1)
-    return _mm512_cvtss_f32(a);
-  }
 };
-// the folds of 16 vectors at once (out[s] = fold16 of v[s]: fold512.h)
-[[gnu::always_inline]] inline void fold_many(const Vec* v, float* out) {
-  __m512 w[16];
-  for (int i = 0; i < 16; ++i) {
-    w[i] = v[i].v;
-  }
-  _mm512_storeu_ps(out, fold16x16(w));
-}
 #include "dense_rows.h"
-// One row to 4: one output a tile, so each thread reads its weights as one stream (at the bandwidth floor); more
-// rows: 4 outputs by 6 rows a tile share each row's loads (28 of the 32 registers), 16 of its 24 sums folded
-// together and 8 one by one in registers (Vec::fold; when those 8 called the baseline fold, 4 x 4 tiles were
-// faster: SmolLM2's 16-row products 18.3 -> 16.6 ms; now 4 x 6 is 3-4% ahead of 4 x 4, AMD EPYC, alternated runs)
+// 32 registers: a group's 4 vectors by up to 6 rows (24 sums), the rows' broadcast inputs and a weight
 template <class Wt>
-void range(const Job<Wt>& j, int64_t a, int64_t b) {
-  if (j.T <= 4) {
-    tiles<1, 4>(j, a, b);
-  } else {
-    tiles<4, 6>(j, a, b);
-  }
-}
+void range(const Job<Wt>& j, int64_t a, int64_t b) { tiles<4, 6>(j, a, b); }
 }  // namespace
 }  // namespace dense512
 #pragma GCC pop_options
@@ -122,20 +87,9 @@ namespace {
 struct Vec {
   __m256 lo, hi;
   [[gnu::always_inline]] static Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  [[gnu::always_inline]] static Vec load(const float* p, int64_t n) {
-    if (n == kLanes) {
-      return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
-    }
-    alignas(32) float t[16] = {};
-    std::memcpy(t, p, sizeof(float) * n);
-    return {_mm256_load_ps(t), _mm256_load_ps(t + 8)};
-  }
-  [[gnu::always_inline]] static Vec load(const uint16_t* p, int64_t n) {  // bfloat16 bits, widened exactly
-    alignas(32) uint16_t t[kLanes] = {};
-    if (n < kLanes) {
-      std::memcpy(t, p, sizeof(uint16_t) * n);
-      p = t;
-    }
+  [[gnu::always_inline]] static Vec broadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  [[gnu::always_inline]] static Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  [[gnu::always_inline]] static Vec load(const uint16_t* p) {  // bfloat16 bits, widened exactly
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
@@ -148,24 +102,11 @@ struct Vec {
     _mm256_storeu_ps(p, lo);
     _mm256_storeu_ps(p + 8, hi);
   }
-  [[gnu::always_inline]] float fold() const {  // fold16's additions: l + l+8, + 4, + 2, + 1
-    __m256 a = _mm256_add_ps(lo, hi);
-    a = _mm256_add_ps(a, _mm256_permute2f128_ps(a, a, 0x01));  // 128-bit halves swapped
-    a = _mm256_add_ps(a, _mm256_permute_ps(a, 0x4E));
-    a = _mm256_add_ps(a, _mm256_permute_ps(a, 0xB1));
-    return _mm256_cvtss_f32(a);
-  }
 };
 #include "dense_rows.h"
-// 16 registers: one output by 4 rows, or 2 by 2
+// 16 registers, two a Vec: half a group by up to 3 rows (12 for the sums)
 template <class Wt>
-void range(const Job<Wt>& j, int64_t a, int64_t b) {
-  if (j.T <= 4) {
-    tiles<1, 4>(j, a, b);
-  } else {
-    tiles<2, 2>(j, a, b);
-  }
-}
+void range(const Job<Wt>& j, int64_t a, int64_t b) { tiles<2, 3>(j, a, b); }
 }  // namespace
 }  // namespace dense256
 #pragma GCC pop_options
@@ -175,14 +116,19 @@ namespace {
 struct Vec {
   float v[kLanes];
   static Vec zero() { return Vec{}; }
-  static Vec load(const float* p, int64_t n) {
-    Vec r{};
-    std::memcpy(r.v, p, sizeof(float) * n);
+  static Vec broadcast(float x) {
+    Vec r;
+    for (int64_t i = 0; i < kLanes; ++i) r.v[i] = x;
     return r;
   }
-  static Vec load(const uint16_t* p, int64_t n) {  // bfloat16 bits, widened exactly
-    Vec r{};
-    for (int64_t i = 0; i < n; ++i) r.v[i] = widen(p[i]);
+  static Vec load(const float* p) {
+    Vec r;
+    std::memcpy(r.v, p, sizeof(r.v));
+    return r;
+  }
+  static Vec load(const uint16_t* p) {  // bfloat16 bits, widened exactly
+    Vec r;
+    for (int64_t i = 0; i < kLanes; ++i) r.v[i] = widen(p[i]);
     return r;
   }
   static Vec fma(const Vec& a, const Vec& b, const Vec& c) {
@@ -191,7 +137,6 @@ struct Vec {
     return r;
   }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
-  float fold() const { return fold16(v); }
 };
 #include "dense_rows.h"
 template <class Wt>
@@ -200,70 +145,115 @@ void range(const Job<Wt>& j, int64_t a, int64_t b) { tiles<1, 1>(j, a, b); }
 }  // namespace dense_plain
 
 namespace {
-constexpr int64_t kTaskOutputs = 16;  // outputs a thread's task takes at least
-
-// outputs [lo, hi) of every row of the job, by the loop of instruction set `isa`
+// groups [a, b) of every row of the job, by the loop of instruction set `isa`
 template <class Wt>
-void range_on(const Job<Wt>& j, int64_t lo, int64_t hi, Isa isa) {
+void range_on(const Job<Wt>& j, int64_t a, int64_t b, Isa isa) {
   if (isa == kAvx512) {
-    dense512::range(j, lo, hi);
+    dense512::range(j, a, b);
   } else if (isa == kAvx2) {
-    dense256::range(j, lo, hi);
+    dense256::range(j, a, b);
   } else {
-    dense_plain::range(j, lo, hi);
+    dense_plain::range(j, a, b);
   }
+}
+
+int64_t groups_of(int64_t n) { return (n + kGroup - 1) / kGroup; }
+
+// checked operands of a product with panels [G, K, 64] of N outputs: (x contiguous, bias contiguous)
+std::tuple<at::Tensor, std::optional<at::Tensor>> checked(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                                                         const std::optional<at::Tensor>& bias, int64_t isa) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "casspec dense_panels: float32 or bfloat16 x expected, "
+              "got ", c10::toString(dtype));
+  check_tensor(x, "dense_panels x [T, K]", dtype, 2);
+  check_tensor(panels, "dense_panels panels [G, K, 64] (x's dtype)", dtype, 3);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(N >= 0 && panels.size(0) == groups_of(N) && panels.size(1) == K && panels.size(2) == kGroup &&
+                  panels.is_contiguous(),
+              "casspec dense_panels: panels [", groups_of(N), ", ", K, ", 64] contiguous expected (dense_pack of a w ",
+              "[", N, ", ", K, "]), got ", panels.sizes());
+  if (bias) {
+    check_tensor(*bias, "dense_panels bias [N] (x's dtype)", dtype, 1);
+    TORCH_CHECK(bias->size(0) == N, "casspec dense_panels: bias of ", N, " values expected, got ", bias->sizes());
+  }
+  TORCH_CHECK(isa >= kAuto && isa <= machine_isa(), "casspec dense_panels: isa ", isa,
+              " is not one this CPU runs (or CASSPEC_ISA allows): -1 the best, 0 plain, 1 AVX2, 2 AVX-512");
+  return {x.contiguous(), bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt};
 }
 }  // namespace
 
-void raw::dense_range(const float* x, const float* w, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
-                      int64_t lo, int64_t hi, Isa isa) {
-  range_on(Job<float>{x, w, bias, y, T, K, hi, ldy}, lo, hi, isa);  // (outputs past hi are not read)
+void raw::dense_range(const float* x, const float* panels, const float* bias, float* y, int64_t ldy, int64_t T,
+                      int64_t K, int64_t lo, int64_t hi, Isa isa) {
+  // (outputs past hi are not written: the job's N is hi, and group lo / 64 starts at output lo)
+  range_on(Job<float>{x, panels, bias, y, T, K, hi, ldy}, lo / kGroup, groups_of(hi), isa);
 }
 
-// x [T, K] and w [N, K] contiguous, both float32 or both bfloat16, bias [N] in their dtype or none; isa: -1 the best
-// this CPU has, else 0 plain, 1 AVX2, 2 AVX-512 (tests). -> [T, N] in x's dtype: bfloat16 inputs are widened exactly
-// and summed in float32 as float32 ones are, the sums rounded to bfloat16 once, at the end.
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                        int64_t isa) {
-  const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "casspec dense_linear: float32 or bfloat16 x expected, "
+// w [N, K], float32 or bfloat16 -> its panels [ceil(N / 64), K, 64] in its dtype, zeros past N
+at::Tensor dense_pack(const at::Tensor& w) {
+  const at::ScalarType dtype = w.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "casspec dense_pack: float32 or bfloat16 w expected, "
               "got ", c10::toString(dtype));
-  check_tensor(x, "dense_linear x [T, K]", dtype, 2);
-  check_tensor(w, "dense_linear w [N, K] (x's dtype)", dtype, 2);
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && w.is_contiguous(), "casspec dense_linear: w [N, ", K, "] contiguous expected, got ",
-              w.sizes());
-  if (bias) {
-    check_tensor(*bias, "dense_linear bias [N] (x's dtype)", dtype, 1);
-    TORCH_CHECK(bias->size(0) == N && bias->is_contiguous(), "casspec dense_linear: bias of ", N,
-                " values expected, got ", bias->sizes());
-  }
-  TORCH_CHECK(isa >= kAuto && isa <= machine_isa(), "casspec dense_linear: isa ", isa,
-              " is not one this CPU runs (or CASSPEC_ISA allows): -1 the best, 0 plain, 1 AVX2, 2 AVX-512");
+  check_tensor(w, "dense_pack w [N, K]", dtype, 2);
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), P = groups_of(N);
+  at::Tensor out = at::zeros({P, K, kGroup}, wc.options());
+  const int64_t item = at::elementSize(dtype);
+  const char* src = static_cast<const char*>(wc.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+    for (int64_t p = a; p < b; ++p) {
+      for (int64_t l = 0; l < kGroup && p * kGroup + l < N; ++l) {
+        const char* row = src + (p * kGroup + l) * K * item;
+        for (int64_t k = 0; k < K; ++k) {
+          std::memcpy(dst + ((p * K + k) * kGroup + l) * item, row + k * item, item);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x [T, K] and panels [ceil(N / 64), K, 64] (dense_pack of w [N, K]), both float32 or both bfloat16, bias [N] in
+// their dtype or none; isa: -1 the best this CPU has, else 0 plain, 1 AVX2, 2 AVX-512 (tests). -> [T, N] in x's
+// dtype: bfloat16 inputs are widened exactly and summed in float32 as float32 ones are, the sums rounded to
+// bfloat16 once, at the end.
+at::Tensor dense_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const std::optional<at::Tensor>& bias, int64_t isa) {
+  auto [xc, bc] = checked(x, panels, N, bias, isa);
   const Isa use = isa == kAuto ? machine_isa() : static_cast<Isa>(isa);
-  const at::Tensor xc = x.contiguous();
-  const std::optional<at::Tensor> bc = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  const int64_t T = xc.size(0), K = xc.size(1), P = groups_of(N);
+  const at::Tensor xf = xc.scalar_type() == at::kFloat ? xc : xc.to(at::kFloat);  // (bfloat16 widened: exact)
   at::Tensor y = at::empty({T, N}, xc.options());
-  const int64_t tasks = (N + kTaskOutputs - 1) / kTaskOutputs;
-  const int64_t work = std::max<int64_t>(1, T * K * kTaskOutputs);  // multiply-adds of a task
+  const int64_t work = std::max<int64_t>(1, T * K * kGroup);  // multiply-adds of a group
   const int64_t grain = std::max<int64_t>(1, kParallelWork / work);
   auto run = [&](const auto& j) {
-    at::parallel_for(0, tasks, grain, [&](int64_t a, int64_t b) {
-      range_on(j, a * kTaskOutputs, std::min(N, b * kTaskOutputs), use);
-    });
+    at::parallel_for(0, P, grain, [&](int64_t a, int64_t b) { range_on(j, a, b, use); });
   };
-  if (dtype == at::kFloat) {
-    run(Job<float>{xc.data_ptr<float>(), w.data_ptr<float>(), bc ? bc->data_ptr<float>() : nullptr,
+  if (xc.scalar_type() == at::kFloat) {
+    run(Job<float>{xf.data_ptr<float>(), panels.data_ptr<float>(), bc ? bc->data_ptr<float>() : nullptr,
                    y.data_ptr<float>(), T, K, N, N});
   } else {
     auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
-    run(Job<uint16_t>{bits(xc), bits(w), bc ? bits(*bc) : nullptr, bits(y), T, K, N, N});
+    run(Job<uint16_t>{xf.data_ptr<float>(), bits(panels), bc ? bits(*bc) : nullptr, bits(y), T, K, N, N});
   }
   return y;
+}
+
+// the same product of w [N, K] as it is (packed for this call: tests, and products of weights no caller keeps)
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                        int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "casspec dense_linear: float32 or "
+              "bfloat16 x expected, got ", c10::toString(x.scalar_type()));
+  check_tensor(w, "dense_linear w [N, K] (x's dtype)", x.scalar_type(), 2);
+  TORCH_CHECK(w.size(1) == x.size(-1), "casspec dense_linear: w [N, ", x.size(-1), "] expected, got ", w.sizes());
+  return dense_panels(x, dense_pack(w), w.size(0), bias, isa);
 }
 
 }  // namespace casspec
 
 TORCH_LIBRARY_FRAGMENT(casspec, m) {
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias=None, int isa=-1) -> Tensor", &casspec::dense_linear);
+  m.def("dense_pack(Tensor w) -> Tensor", &casspec::dense_pack);
+  m.def("dense_panels(Tensor x, Tensor panels, int N, Tensor? bias=None, int isa=-1) -> Tensor",
+        &casspec::dense_panels);
 }

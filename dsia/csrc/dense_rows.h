@@ -1,46 +1,24 @@
 // (included once per instruction set by dense.cpp, inside its namespace, with `Vec` defined: 16 float lanes, loaded
-// from float32 or from bfloat16's bits (Wt: float or uint16_t, the inputs' and the output's type))
-// Outputs [o0, o0 + O) of rows [t0, t0 + R): lane l of output o's sum takes inputs k = 16 c + l, c = 0, 1, ... in
-// order, one fused multiply-add each (inputs past K are zeros); the lanes folded in halves; the bias added last.
+// from float32 or from bfloat16's bits (Wt: float or uint16_t, the weights', the bias's and the output's type); x is
+// float32 (bfloat16 inputs widened exactly by the caller))
+// Group g holds outputs [64 g, 64 g + 64) as [K][64] (dense_pack): its 4 vectors of 16 outputs at each input. Output
+// n of row t: acc = 0, then for k = 0, 1, ..., K - 1 in order acc = fma(w[n, k], x[t, k], acc), one rounding each;
+// the bias added last. A tile of O vectors by R rows loads each of its weights once for its R rows, and the rows'
+// next tiles find them in the cache. No sum is ever folded across lanes: lane l of vector v is output 64 g + 16 v +
+// l.
 
-// 16 vectors' fold16, one at a time (a path with a faster way to the same additions defines its own
-// fold_many(const Vec*, float*) before including this, which overload resolution prefers)
-template <class V>
-void fold_many(const V* v, float* out) {
-  for (int s = 0; s < 16; ++s) {
-    float lanes[kLanes];
-    v[s].store(lanes);
-    out[s] = fold16(lanes);
-  }
-}
-
-// one 16-input chunk (n <= 16 inputs, zeros after them) of O weight rows (stride K) into the O x R accumulators
-template <int O, int R, class Wt>
-[[gnu::always_inline]] inline void step(Vec (&acc)[O][R], const Wt* w, const Wt* x, int64_t K, int64_t n,
-                                        const Wt* ahead) {
-  Vec wv[O];
-#pragma GCC unroll 16
-  for (int o = 0; o < O; ++o) {
-    wv[o] = Vec::load(w + o * K, n);
-  }
-  if (ahead != nullptr) {
-#pragma GCC unroll 16
-    for (int o = 0; o < O; ++o) {
-      __builtin_prefetch(ahead + o * K, 0, 3);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    const Vec xv = Vec::load(x + r * K, n);
-#pragma GCC unroll 16
-    for (int o = 0; o < O; ++o) {
-      acc[o][r] = Vec::fma(wv[o], xv, acc[o][r]);
-    }
-  }
-}
+// What a tile prefetches: a group swept once (one row tile, one part) its own stream kAheadBytes ahead
+// (the groups lie one after the other, so this runs on into the next); a group swept s times, in sweep i lines
+// [i, i + 1) * L / s of the next group (L its lines), evenly over the sweep's inputs, so that memory streams the next
+// group while the cached one is computed (and no further: prefetching on into the group after cost 1.3x at 16 rows)
+struct Ahead {
+  const char* from;  // the first line to prefetch
+  int64_t lines;  // lines to prefetch, evenly over the tile's inputs (0: its own stream ahead instead)
+};
 
 template <int O, int R, class Wt>
-[[gnu::always_inline]] inline void tile(const Job<Wt>& j, int64_t o0, int64_t t0, const Wt* ahead) {
+[[gnu::always_inline]] inline void tile(const Job<Wt>& j, int64_t g, int64_t v0, int64_t t0, Ahead ahead) {
+  const int64_t K = j.K;
   Vec acc[O][R];
 #pragma GCC unroll 16
   for (int o = 0; o < O; ++o) {
@@ -49,73 +27,85 @@ template <int O, int R, class Wt>
       acc[o][r] = Vec::zero();
     }
   }
-  const int64_t K = j.K, full = K / kLanes * kLanes;
-  const Wt* w = j.w + o0 * K;
-  const Wt* x = j.x + t0 * K;
-  for (int64_t k = 0; k < full; k += kLanes) {
-    step<O, R>(acc, w + k, x + k, K, kLanes, ahead != nullptr ? ahead + k : nullptr);
-  }
-  if (full < K) {  // the last inputs, zeros after them
-    step<O, R>(acc, w + full, x + full, K, K - full, static_cast<const Wt*>(nullptr));
-  }
-  Vec flat[O * R];  // (a copy: the accumulators' own address never escapes the loop, so they stay in registers)
-#pragma GCC unroll 16
-  for (int o = 0; o < O; ++o) {
+  const Wt* w = j.w + g * K * kGroup + v0 * kLanes;
+  const float* x = j.x + t0 * K;
+  constexpr int64_t kLines = kGroup * sizeof(Wt) / 64;  // cache lines of a group's weights at one input
+  const char* next = ahead.from;
+  int64_t frac = 0;  // (Bresenham: lines * k / K of them prefetched before input k; front-loading them cost 1.15x)
+  for (int64_t k = 0; k < K; ++k) {
+    if (ahead.lines == 0) {
+#pragma GCC unroll 4
+      for (int64_t l = 0; l < kLines; ++l) {
+        __builtin_prefetch(reinterpret_cast<const char*>(w - v0 * kLanes + k * kGroup) + l * 64 + kAheadBytes, 0, 3);
+      }
+    }
+    for (frac += ahead.lines; frac >= K; frac -= K, next += 64) {
+      __builtin_prefetch(next, 0, 3);
+    }
+    Vec xv[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      flat[o * R + r] = acc[o][r];
+      xv[r] = Vec::broadcast(x[r * K + k]);
     }
-  }
-  float sums[O * R];  // [o * R + r]
-  int i = 0;
-  for (; i + 16 <= O * R; i += 16) {
-    fold_many(flat + i, sums + i);
-  }
-  for (; i < O * R; ++i) {
-    sums[i] = flat[i].fold();  // (each path's Vec folds with fold16's additions)
-  }
-  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
     for (int o = 0; o < O; ++o) {
-      const float sum = sums[o * R + r];
-      j.y[(t0 + r) * j.ldy + o0 + o] = narrow<Wt>(j.bias != nullptr ? sum + widen(j.bias[o0 + o]) : sum);
+      const Vec wv = Vec::load(w + k * kGroup + o * kLanes);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        acc[o][r] = Vec::fma(wv, xv[r], acc[o][r]);
+      }
+    }
+  }
+  for (int o = 0; o < O; ++o) {
+    const int64_t n0 = g * kGroup + (v0 + o) * kLanes, count = std::min(kLanes, j.N - n0);
+    for (int r = 0; r < R; ++r) {
+      Wt* y = j.y + (t0 + r) * j.ldy + n0;
+      if constexpr (std::is_same_v<Wt, float>) {
+        if (count == kLanes && j.bias == nullptr) {  // (the common case: 16 float32 sums stored as they are)
+          acc[o][r].store(y);
+          continue;
+        }
+      }
+      float sums[kLanes];
+      acc[o][r].store(sums);
+      for (int64_t l = 0; l < count; ++l) {
+        y[l] = narrow<Wt>(j.bias != nullptr ? sums[l] + widen(j.bias[n0 + l]) : sums[l]);
+      }
     }
   }
 }
 
-// outputs [o0, o0 + O) of the last `left` rows (fewer than a tile's), from t
+// the last rows from t0 (fewer than a full tile's: exactly R, or fewer)
 template <int O, int R, class Wt>
-[[gnu::always_inline]] inline void last_rows(const Job<Wt>& j, int64_t o0, int64_t t, int64_t left,
-                                             const Wt* ahead) {
-  if constexpr (R > 0) {
-    if (left == R) {
-      tile<O, R>(j, o0, t, ahead);
-    } else {
-      last_rows<O, R - 1>(j, o0, t, left, ahead);
-    }
+void last_rows(const Job<Wt>& j, int64_t g, int64_t v0, int64_t t0, Ahead ahead) {
+  if (j.T - t0 == R) {
+    tile<O, R>(j, g, v0, t0, ahead);
+  } else if constexpr (R > 1) {
+    last_rows<O, R - 1>(j, g, v0, t0, ahead);
   }
 }
 
-// outputs [o0, o0 + O) of every row: R rows a tile (the outputs' weights then come from L1 for the next rows)
-template <int O, int R, class Wt>
-void outputs(const Job<Wt>& j, int64_t o0, const Wt* ahead) {
-  int64_t t = 0;
-  for (; t + R <= j.T; t += R) {
-    tile<O, R>(j, o0, t, t == 0 ? ahead : nullptr);  // (the first rows' pass prefetches weights ahead)
-  }
-  last_rows<O, R - 1>(j, o0, t, j.T - t, t == 0 ? ahead : nullptr);
-}
-
-// outputs [a, b) of every row in tiles of O outputs by R rows. The tile shape changes only which sums run side by
-// side, never one sum's order: every shape gives the same bits.
+// groups [a, b), every row, in tiles of O vectors by R rows (the last rows, fewer than R, in one smaller tile). The
+// tile shape changes only which sums run side by side, never one sum's order: every shape gives the same bits.
 template <int O, int R, class Wt>
 void tiles(const Job<Wt>& j, int64_t a, int64_t b) {
-  const int64_t tile_bytes = O * j.K * static_cast<int64_t>(sizeof(Wt));  // the weights of one tile of outputs
-  const int64_t ahead = std::max<int64_t>(1, (kAheadBytes + tile_bytes - 1) / tile_bytes);  // tiles ahead
-  int64_t o = a;
-  for (; o + O <= b; o += O) {
-    outputs<O, R>(j, o, o + (ahead + 1) * O <= b ? j.w + (o + ahead * O) * j.K : nullptr);
-  }
-  for (; o < b; ++o) {
-    outputs<1, R>(j, o, static_cast<const Wt*>(nullptr));
+  static_assert(kGroup / kLanes % O == 0, "a tile takes a whole part of a group");
+  const int64_t sweeps = (j.T + R - 1) / R * (kGroup / kLanes / O);
+  const int64_t lines = j.K * kGroup * static_cast<int64_t>(sizeof(Wt)) / 64;  // a group's
+  for (int64_t g = a; g < b; ++g) {
+    const char* next = reinterpret_cast<const char*>(j.w + (g + 1) * j.K * kGroup);
+    int64_t sweep = 0;
+    for (int64_t t = 0; t < j.T; t += R) {
+      for (int64_t v0 = 0; v0 < kGroup / kLanes; v0 += O, ++sweep) {
+        const int64_t l0 = sweep * lines / sweeps, l1 = (sweep + 1) * lines / sweeps;
+        // (swept once, or the range's last group: the own stream, which runs on into the next range's)
+        const Ahead ahead{next + l0 * 64, sweeps > 1 && g + 1 < b ? l1 - l0 : 0};
+        if (t + R <= j.T) {
+          tile<O, R>(j, g, v0, t, ahead);
+        } else if constexpr (R > 1) {
+          last_rows<O, R - 1>(j, g, v0, t, ahead);
+        }
+      }
+    }
   }
 }

@@ -138,6 +138,7 @@ struct Stack : torch::CustomClassHolder {
   std::vector<int64_t> kinds;  // [7L] each slot's kind
   std::vector<at::Tensor> weights;  // [7L] packed codes, or the dense weight
   std::vector<at::Tensor> aux;  // [7L] packed: scales and zeros (blocks: scales); dense: MKL's packed copy (or empty)
+  std::vector<at::Tensor> panels;  // [7L] dense: casspec's panels of the weight (dense_pack), or empty
   std::vector<at::Tensor> biases;  // [7L] bias (or empty)
   std::vector<int64_t> group_sizes;  // [7L] packed: group size; blocks: the outputs
   std::vector<int64_t> doubled;  // [7L] packed: 1 where the kernel takes [x, x] (8-bit codes as two 4-bit planes)
@@ -148,11 +149,12 @@ struct Stack : torch::CustomClassHolder {
   std::unique_ptr<casspec::OwnStep> own_step;  // the layers in one parallel region, where every product is casspec's
 
   Stack(std::vector<at::Tensor> norms, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
-        std::vector<at::Tensor> aux, std::vector<at::Tensor> biases, std::vector<int64_t> group_sizes,
-        std::vector<int64_t> doubled, int64_t act_dtype, int64_t n_heads, int64_t n_kv_heads, double eps,
+        std::vector<at::Tensor> aux, std::vector<at::Tensor> panels, std::vector<at::Tensor> biases,
+        std::vector<int64_t> group_sizes, std::vector<int64_t> doubled, int64_t act_dtype, int64_t n_heads, int64_t n_kv_heads, double eps,
         std::vector<int64_t> invariance)
       : norms(std::move(norms)), kinds(std::move(kinds)), weights(std::move(weights)), aux(std::move(aux)),
-        biases(std::move(biases)), group_sizes(std::move(group_sizes)), doubled(std::move(doubled)),
+        panels(std::move(panels)), biases(std::move(biases)), group_sizes(std::move(group_sizes)),
+        doubled(std::move(doubled)),
         act_dtype(act_dtype), n_heads(n_heads), n_kv_heads(n_kv_heads), eps(eps) {
     TORCH_CHECK(invariance.size() == 3, "casspec Stack: block, float32 min rows, torch's own MACs");
     for (int64_t kind : this->kinds) {
@@ -170,6 +172,7 @@ struct Stack : torch::CustomClassHolder {
     TORCH_CHECK(this->norms.size() % 2 == 0, "casspec Stack: 2 norms per layer");
     const size_t slots = kSlots * (this->norms.size() / 2);
     TORCH_CHECK(this->kinds.size() == slots && this->weights.size() == slots && this->aux.size() == slots &&
+                    this->panels.size() == slots &&
                     this->biases.size() == slots && this->group_sizes.size() == slots &&
                     this->doubled.size() == slots,
                 "casspec Stack: 7 product slots and 2 norms per layer");
@@ -182,7 +185,7 @@ struct Stack : torch::CustomClassHolder {
         TORCH_CHECK(k[j] == kNone || this->weights[j].defined(), "casspec Stack: slot ", j, " has no weight");
       }
     }
-    own_step = casspec::OwnStep::from(this->norms, this->kinds, this->weights, this->aux, this->biases,
+    own_step = casspec::OwnStep::from(this->norms, this->kinds, this->weights, this->aux, this->panels, this->biases,
                                       this->group_sizes, n_heads, n_kv_heads, eps);
   }
 
@@ -211,7 +214,8 @@ struct Stack : torch::CustomClassHolder {
     }
     if (dense_kernel == kOwn && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
         weights[j].scalar_type() == x.scalar_type()) {  // (casspec's own: float32 or bfloat16)
-      return casspec::dense_linear(x, weights[j], b, -1);
+      return panels[j].numel() > 0 ? casspec::dense_panels(x, panels[j], weights[j].size(0), b, -1)
+                                   : casspec::dense_linear(x, weights[j], b, -1);
     }
     return at::linear(x, weights[j], b);
   }
@@ -348,7 +352,7 @@ struct Stack : torch::CustomClassHolder {
 TORCH_LIBRARY(casspec, m) {
   m.class_<Stack>("Stack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                        int64_t, int64_t, int64_t, double, std::vector<int64_t>>())
       .def("run", &Stack::run)
       .def("one_region", &Stack::one_region);

@@ -41,8 +41,13 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // x [T, K] float32 times GGUF-style blocks as stored (blockq.cpp) for n outputs: [T, n]
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                         int64_t isa);
-// x [T, K] float32 times w [N, K] float32 (+ bias [N]) by casspec's own kernel (dense.cpp): [T, N], each row the
-// same bits whatever the rows beside it and the instruction set (isa -1: the best this CPU has)
+// x [T, K] float32 or bfloat16 times w [N, K] in x's dtype (+ bias [N]) by casspec's own kernel (dense.cpp): [T, N],
+// each row the same bits whatever the rows beside it and the instruction set (isa -1: the best this CPU has).
+// dense_pack: w as the kernel reads it, panels [ceil(N / 64), K, 64] (made once per weight by its caller);
+// dense_panels: the product with them; dense_linear: the same product of w as it is (packed for the call)
+at::Tensor dense_pack(const at::Tensor& w);
+at::Tensor dense_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                         int64_t isa);
 // attention of q [H, T, hd] over keys, values [Hkv, S, hd] at slots [0, end): row t sees the slots where mask [T,
@@ -72,8 +77,9 @@ void silu_mul_row(const float* gate, const float* up, float* out, int64_t n);
 void attend(const float* q, int64_t q_row, const float* keys, const float* values, int64_t kv_row, const bool* mask,
             int64_t T, int64_t end, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float* out,
             int64_t out_row);
-// float32 x [T, K] times w [N, K] (+ bias [N]) into y (row stride ldy), outputs [lo, hi), as dense_linear
-void dense_range(const float* x, const float* w, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
+// float32 x [T, K] times the panels of w [N, K] (dense_pack) (+ bias [N]) into y (row stride ldy), outputs [lo,
+// hi) (lo a multiple of 16), as dense_panels
+void dense_range(const float* x, const float* panels, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
                  int64_t lo, int64_t hi, Isa isa);
 
 // GGUF-style blocks as stored (blockq.cpp): codes [tiles, blocks, 4 or 8, 16, 4], scales d (and m) [tiles, blocks,

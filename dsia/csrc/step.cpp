@@ -39,8 +39,8 @@ const char* kWhat = "casspec Stack (one-region step)";
 
 // slot j as a product of `offset` in its group's buffer with `in` inputs, or nullopt where it is neither GGUF
 // blocks (codes, scales as block_linear reads them) nor a float32 weight [N, in]
-std::optional<StepProduct> product_of(int64_t kind, const at::Tensor& w, const at::Tensor& scales, int64_t outputs,
-                                      int64_t in, int64_t offset) {
+std::optional<StepProduct> product_of(int64_t kind, const at::Tensor& w, const at::Tensor& scales,
+                                      const at::Tensor& panels, int64_t outputs, int64_t in, int64_t offset) {
   StepProduct p{};
   p.K = in;
   p.offset = offset;
@@ -63,9 +63,13 @@ std::optional<StepProduct> product_of(int64_t kind, const at::Tensor& w, const a
     p.N = outputs;
     return p;
   }
-  if (kind == kDense && w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu()) {
+  if (kind == kDense && w.scalar_type() == at::kFloat && w.dim() == 2 && panels.numel() > 0) {
     TORCH_CHECK(w.size(1) == in, kWhat, ": a dense weight of ", w.size(1), " inputs where the layer has ", in);
-    p.dense = w.data_ptr<float>();
+    check_tensor(panels, "Stack: a dense weight's panels [G, K, 64]", at::kFloat, 3);
+    TORCH_CHECK(panels.size(0) == (w.size(0) + 63) / 64 && panels.size(1) == in && panels.size(2) == 64 &&
+                    panels.is_contiguous(),
+                kWhat, ": the panels of a dense weight ", w.sizes(), " expected (dense_pack), got ", panels.sizes());
+    p.dense = panels.data_ptr<float>();
     p.N = w.size(0);
     return p;
   }
@@ -84,8 +88,8 @@ const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
 
 std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
                                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& aux,
-                                       const std::vector<at::Tensor>& biases, const std::vector<int64_t>& outputs,
-                                       int64_t n_heads, int64_t n_kv_heads, double eps) {
+                                       const std::vector<at::Tensor>& panels, const std::vector<at::Tensor>& biases,
+                                       const std::vector<int64_t>& outputs, int64_t n_heads, int64_t n_kv_heads, double eps) {
   auto step = std::unique_ptr<OwnStep>(new OwnStep());
   const int64_t L = static_cast<int64_t>(norms.size()) / 2;
   if (L == 0 || norms[0].scalar_type() != at::kFloat || norms[0].dim() != 1) {
@@ -106,7 +110,7 @@ std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, con
       const bool fused = count > 1 && kinds[first + 1] == kNone;
       int64_t offset = 0;
       for (int64_t j = first; j < first + (fused ? 1 : count); ++j) {
-        std::optional<StepProduct> p = product_of(kinds[j], weights[j], aux[j], outputs[j], in, offset);
+        std::optional<StepProduct> p = product_of(kinds[j], weights[j], aux[j], panels[j], outputs[j], in, offset);
         if (!p) {
           return false;
         }
@@ -219,10 +223,11 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
         if (p.blocks) {
           raw::block_tiles(p.w, acts, T, out + p.offset, g.width, lo, hi, block_isa);
         } else {
-          raw::dense_range(in, p.dense, nullptr, out + p.offset, g.width, T, p.K, lo * 16, std::min(p.N, hi * 16),
+          raw::dense_range(in, p.dense, nullptr, out + p.offset, g.width, T, p.K, lo * p.unit(),
+                           std::min(p.N, hi * p.unit()),
                            dense_isa);
         }
-        const int64_t c0 = p.offset + lo * 16, c1 = p.offset + std::min(p.N, hi * 16);  // its outputs' columns
+        const int64_t c0 = p.offset + lo * p.unit(), c1 = p.offset + std::min(p.N, hi * p.unit());  // its columns
         for (const StepBias& bias : g.biases) {
           const int64_t b0 = std::max(c0, bias.offset), b1 = std::min(c1, bias.offset + bias.n);
           for (int64_t t = 0; t < T; ++t) {

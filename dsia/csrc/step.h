@@ -26,9 +26,11 @@ constexpr int64_t kSlots = 7;  // per layer: q (or q|k|v), k, v, o, gate (or gat
 struct StepProduct {
   bool blocks;  // raw::Blocks, else dense
   raw::Blocks w;  // blocks
-  const float* dense;  // [N, K]
+  const float* dense;  // panels [ceil(N / 64), K, 64] (dense_pack)
   int64_t N, K, offset;
-  int64_t units() const { return (N + 15) / 16; }  // tiles of 16 outputs
+  int64_t unit() const { return blocks ? 16 : 64; }  // outputs a thread's share is counted in (a block tile, a
+                                                     // dense group: dense.cpp's kGroup)
+  int64_t units() const { return (N + unit() - 1) / unit(); }
 };
 
 // a bias added to outputs [offset, offset + n) of a group's buffer after its product (as the ATen loop adds it)
@@ -55,12 +57,13 @@ struct StepLayer {
 // A Stack's layers as the one-region loop takes them (OwnStep::from: nullptr where some product is neither)
 class OwnStep {
  public:
-  // the Stack's slots (layers.cpp: kinds, weights, aux, biases, outputs), norms [2L], heads; nullptr where a slot
-  // is a kind this loop does not run, or a weight is not float32 / GGUF blocks as the kernels read them
+  // the Stack's slots (layers.cpp: kinds, weights, aux, panels, biases, outputs), norms [2L], heads; nullptr where a
+  // slot is a kind this loop does not run, or a weight is not GGUF blocks / float32 with its panels
   static std::unique_ptr<OwnStep> from(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
                                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& aux,
-                                       const std::vector<at::Tensor>& biases, const std::vector<int64_t>& outputs,
-                                       int64_t n_heads, int64_t n_kv_heads, double eps);
+                                       const std::vector<at::Tensor>& panels, const std::vector<at::Tensor>& biases,
+                                       const std::vector<int64_t>& outputs, int64_t n_heads, int64_t n_kv_heads,
+                                       double eps);
   bool dense() const { return dense_; }  // whether some product is dense (the call's dense kernel must be casspec's)
   // x [T, D] after the embedding; k_all, v_all [L, Hkv, S, hd] float32 contiguous, written at [start, start + T),
   // read over [0, end); cos, sin [T, hd]; mask [T, end] bool or none (causal). -> (x, delta) as Stack::run.

@@ -145,7 +145,7 @@ void range(const Job<Wt>& j, int64_t a, int64_t b) { tiles<1, 1>(j, a, b); }
 }  // namespace dense_plain
 
 namespace {
-// groups [a, b) of every row of the job, by the loop of instruction set `isa`
+// halves [a, b) of the groups (32 outputs each) of every row of the job, by the loop of instruction set `isa`
 template <class Wt>
 void range_on(const Job<Wt>& j, int64_t a, int64_t b, Isa isa) {
   if (isa == kAvx512) {
@@ -158,6 +158,7 @@ void range_on(const Job<Wt>& j, int64_t a, int64_t b, Isa isa) {
 }
 
 int64_t groups_of(int64_t n) { return (n + kGroup - 1) / kGroup; }
+int64_t halves_of(int64_t n) { return (n + kGroup / 2 - 1) / (kGroup / 2); }
 
 // checked operands of a product with panels [G, K, 64] of N outputs: (x contiguous, bias contiguous)
 std::tuple<at::Tensor, std::optional<at::Tensor>> checked(const at::Tensor& x, const at::Tensor& panels, int64_t N,
@@ -184,8 +185,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> checked(const at::Tensor& x, c
 
 void raw::dense_range(const float* x, const float* panels, const float* bias, float* y, int64_t ldy, int64_t T,
                       int64_t K, int64_t lo, int64_t hi, Isa isa) {
-  // (outputs past hi are not written: the job's N is hi, and group lo / 64 starts at output lo)
-  range_on(Job<float>{x, panels, bias, y, T, K, hi, ldy}, lo / kGroup, groups_of(hi), isa);
+  // (outputs past hi are not written: the job's N is hi, and half lo / 32 starts at output lo)
+  range_on(Job<float>{x, panels, bias, y, T, K, hi, ldy}, lo / (kGroup / 2), halves_of(hi), isa);
 }
 
 // w [N, K], float32 or bfloat16 -> its panels [ceil(N / 64), K, 64] in its dtype, zeros past N
@@ -221,10 +222,10 @@ at::Tensor dense_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N
                         const std::optional<at::Tensor>& bias, int64_t isa) {
   auto [xc, bc] = checked(x, panels, N, bias, isa);
   const Isa use = isa == kAuto ? machine_isa() : static_cast<Isa>(isa);
-  const int64_t T = xc.size(0), K = xc.size(1), P = groups_of(N);
+  const int64_t T = xc.size(0), K = xc.size(1), P = halves_of(N);
   const at::Tensor xf = xc.scalar_type() == at::kFloat ? xc : xc.to(at::kFloat);  // (bfloat16 widened: exact)
   at::Tensor y = at::empty({T, N}, xc.options());
-  const int64_t work = std::max<int64_t>(1, T * K * kGroup);  // multiply-adds of a group
+  const int64_t work = std::max<int64_t>(1, T * K * kGroup / 2);  // multiply-adds of a half group
   const int64_t grain = std::max<int64_t>(1, kParallelWork / work);
   auto run = [&](const auto& j) {
     at::parallel_for(0, P, grain, [&](int64_t a, int64_t b) { range_on(j, a, b, use); });

@@ -85,27 +85,42 @@ void last_rows(const Job<Wt>& j, int64_t g, int64_t v0, int64_t t0, Ahead ahead)
   }
 }
 
-// groups [a, b), every row, in tiles of O vectors by R rows (the last rows, fewer than R, in one smaller tile). The
-// tile shape changes only which sums run side by side, never one sum's order: every shape gives the same bits.
+// vectors [v_lo, v_hi) of group g, every row, in tiles of O vectors by R rows (the last rows, fewer than R, in one
+// smaller tile), prefetching the `next` group (nullptr: none) evenly over its sweeps
+template <int O, int R, class Wt>
+void group(const Job<Wt>& j, int64_t g, int64_t v_lo, int64_t v_hi, const char* next) {
+  static_assert(kGroup / kLanes % O == 0, "a tile takes a whole part of a group");
+  const int64_t sweeps = (j.T + R - 1) / R * ((v_hi - v_lo) / O);
+  const int64_t lines = j.K * kGroup * static_cast<int64_t>(sizeof(Wt)) / 64;  // a group's
+  int64_t sweep = 0;
+  for (int64_t t = 0; t < j.T; t += R) {
+    for (int64_t v0 = v_lo; v0 < v_hi; v0 += O, ++sweep) {
+      const int64_t l0 = sweep * lines / sweeps, l1 = (sweep + 1) * lines / sweeps;
+      // (swept once, or the range's last group: the own stream, which runs on into the next range's)
+      const Ahead ahead{next + l0 * 64, sweeps > 1 && next != nullptr ? l1 - l0 : 0};
+      if (t + R <= j.T) {
+        tile<O, R>(j, g, v0, t, ahead);
+      } else if constexpr (R > 1) {
+        last_rows<O, R - 1>(j, g, v0, t, ahead);
+      }
+    }
+  }
+}
+
+// halves [a, b) of the groups (32 outputs each: two threads share an odd number of groups evenly), every row: whole
+// groups in tiles of O vectors, a half group in tiles of at most 2. The tile shape changes only which sums run side
+// by side, never one sum's order: every shape gives the same bits.
 template <int O, int R, class Wt>
 void tiles(const Job<Wt>& j, int64_t a, int64_t b) {
-  static_assert(kGroup / kLanes % O == 0, "a tile takes a whole part of a group");
-  const int64_t sweeps = (j.T + R - 1) / R * (kGroup / kLanes / O);
-  const int64_t lines = j.K * kGroup * static_cast<int64_t>(sizeof(Wt)) / 64;  // a group's
-  for (int64_t g = a; g < b; ++g) {
-    const char* next = reinterpret_cast<const char*>(j.w + (g + 1) * j.K * kGroup);
-    int64_t sweep = 0;
-    for (int64_t t = 0; t < j.T; t += R) {
-      for (int64_t v0 = 0; v0 < kGroup / kLanes; v0 += O, ++sweep) {
-        const int64_t l0 = sweep * lines / sweeps, l1 = (sweep + 1) * lines / sweeps;
-        // (swept once, or the range's last group: the own stream, which runs on into the next range's)
-        const Ahead ahead{next + l0 * 64, sweeps > 1 && g + 1 < b ? l1 - l0 : 0};
-        if (t + R <= j.T) {
-          tile<O, R>(j, g, v0, t, ahead);
-        } else if constexpr (R > 1) {
-          last_rows<O, R - 1>(j, g, v0, t, ahead);
-        }
-      }
+  constexpr int64_t kHalf = kGroup / kLanes / 2;  // vectors
+  constexpr int kHalfO = O < 2 ? O : 2;
+  for (int64_t g = a / 2; g < (b + 1) / 2; ++g) {
+    const int64_t v_lo = (std::max(a, 2 * g) - 2 * g) * kHalf, v_hi = (std::min(b, 2 * g + 2) - 2 * g) * kHalf;
+    const char* next = g + 1 < (b + 1) / 2 ? reinterpret_cast<const char*>(j.w + (g + 1) * j.K * kGroup) : nullptr;
+    if (v_hi - v_lo == 2 * kHalf) {
+      group<O, R>(j, g, v_lo, v_hi, next);
+    } else {
+      group<kHalfO, R>(j, g, v_lo, v_hi, next);
     }
   }
 }

@@ -30,6 +30,8 @@ namespace {
 constexpr int64_t kLanes = 16;
 typedef float v16 __attribute__((vector_size(64), aligned(4)));  // 16 floats, unaligned loads and stores
 typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));  // 16 bfloat16 values' bits
+typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
 
 [[gnu::always_inline]] inline v16 load(const float* p) {
   v16 v;
@@ -49,13 +51,13 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
   return v;
 }
 
-// the n <= 16 bfloat16 values (their bits) at p, widened exactly to float32, zeros after them
+// the n <= 16 bfloat16 values (their bits) at p, widened exactly to float32 (the bits as a float's upper half),
+// zeros after them (16 in one load: widening them one by one was a quarter of a bfloat16 16-token forward)
 [[gnu::always_inline]] inline v16 load(const uint16_t* p, int64_t n) {
-  v16 v = {};
-  for (int64_t i = 0; i < n; ++i) {
-    v[i] = c10::detail::f32_from_bits(p[i]);
-  }
-  return v;
+  u16x16 bits = {};
+  std::memcpy(&bits, p, sizeof(uint16_t) * n);
+  const u32x16 wide = __builtin_convertvector(bits, u32x16) << 16;
+  return reinterpret_cast<const v16&>(wide);
 }
 
 [[gnu::always_inline]] inline void store(float* p, v16 v, int64_t n = kLanes) {

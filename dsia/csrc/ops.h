@@ -78,7 +78,7 @@ void attend(const float* q, int64_t q_row, const float* keys, const float* value
             int64_t T, int64_t end, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float* out,
             int64_t out_row);
 // float32 x [T, K] times the panels of w [N, K] (dense_pack) (+ bias [N]) into y (row stride ldy), outputs [lo,
-// hi) (lo a multiple of 16), as dense_panels
+// hi) (lo a multiple of 32), as dense_panels
 void dense_range(const float* x, const float* panels, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
                  int64_t lo, int64_t hi, Isa isa);
 

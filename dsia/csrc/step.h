@@ -28,8 +28,8 @@ struct StepProduct {
   raw::Blocks w;  // blocks
   const float* dense;  // panels [ceil(N / 64), K, 64] (dense_pack)
   int64_t N, K, offset;
-  int64_t unit() const { return blocks ? 16 : 64; }  // outputs a thread's share is counted in (a block tile, a
-                                                     // dense group: dense.cpp's kGroup)
+  int64_t unit() const { return blocks ? 16 : 32; }  // outputs a thread's share is counted in (a block tile, half
+                                                     // a dense group of dense.cpp's)
   int64_t units() const { return (N + unit() - 1) / unit(); }
 };
 

@@ -170,15 +170,19 @@ class DenseKernels:
         same bits whatever the row count (by construction: the batch-invariant mode then needs no padding)."""
         return all(kernel_for(self, top, dtype, device) == "casspec" for top in BUCKETS)
 
-    def prepare(self, weights: list[Tensor]) -> None:
+    def prepare(self, weights: list[Tensor], others: list[Tensor] = ()) -> None:
         """Pack ahead the weights a chosen kernel keeps in its own layout (set-up time, not the first step's), and
-        free the packed copies of those no chosen kernel reads (e.g. packed while measuring)."""
+        free the packed copies of those no chosen kernel reads (e.g. packed while measuring), and of `others`,
+        weights whose products no forward runs here (a native target's dense copies)."""
         for w in weights:
             for name, store in (("mkl", _PACKED), ("casspec", _PANELS)):
                 if name in self.names and w.dtype in CPU_DTYPES[name] and w.device.type == "cpu":
                     store.pack(w)
                 elif name not in self.names:
                     store.drop(w)
+        for w in others:
+            _PACKED.drop(w)
+            _PANELS.drop(w)
 
     @staticmethod
     def default(dtype: torch.dtype, device: torch.device | str) -> "DenseKernels":

@@ -261,12 +261,29 @@ class Transformer:
         chosen kernel keeps in its own layout: the only copies made)."""
         other = copy.copy(self)
         other.dense = dense
-        dense.prepare(self.dense_weights())
+        run = self.dense_run_weights()
+        dense.prepare(run, [w for w in self.dense_weights() if not any(w is r for r in run)])
         return other
 
     def dense_weights(self) -> list[Tensor]:
         """Every weight the target's dense kernels multiply: each layer's projections, then the LM head."""
         return [w for lw in self.layers for w in lw.products()] + [self.lm_head]
+
+    def dense_run_weights(self) -> list[Tensor]:
+        """The dense weights whose products a target forward runs: all of them, but those the native kernels run
+        instead (a native target's layers and head: their dense copies are only read to build levels)."""
+        if self.native is None:
+            return self.dense_weights()
+        out = []
+        for i, lw in enumerate(self.layers):
+            native = self._native_parts(i)
+            for fused, parts in ((lw.wqkv, ("q", "k", "v")), (lw.w_gate_up, ("gate", "up"))):
+                if fused is not None:
+                    out += [fused] if not native & set(parts) else []
+                else:
+                    out += [lw.projections()[n] for n in parts if n not in native]
+            out += [lw.projections()[n] for n in ("o", "down") if n not in native]
+        return out + ([self.lm_head] if self.native.head is None else [])
 
     def with_fused_projections(self) -> "Transformer":
         """The same model with each layer's q|k|v and gate|up products as one each (`LayerWeights.fused`): on a

@@ -186,3 +186,19 @@ def test_cli_generate_native(tmp_path, capsys):
     ar = capsys.readouterr().out
     assert main(argv + ["--weights", "native", "--method", "dytc"]) == 0
     assert capsys.readouterr().out == ar
+
+
+@pytest.mark.skipif(build_error() is not None, reason="casspec's panels are the C++ library's")
+def test_only_the_weights_a_forward_multiplies_densely_keep_panels(tmp_path):
+    from dsia.kernels import _PANELS
+    path = tiny_gguf(tmp_path / "tiny.gguf", seed=3, dim=64, layers=2, heads=2, kv_heads=1, qtype="Q8_0",
+                     pad_vocab=13)
+    kw = dict(autoprofile=False, keep_state=False, kernels="casspec")
+    dense = Engine.from_pretrained(str(path), **kw)
+    native = Engine.from_pretrained(str(path), weights="native", **kw)
+    packed = lambda m: [id(w) in _PANELS._packed for w in m.dense_weights()]  # noqa: E731
+    assert all(packed(dense.model))  # (a float target's products run on the panels, packed at set-up)
+    nat = native.model
+    assert nat.native is not None and nat.native.head is not None and not any(packed(nat))  # (the native kernels
+    # run its layers and head: their dense copies, kept to build levels from, are not packed twice over)
+    assert native.generate_ids([5, 6, 7], Request(max_new_tokens=4)).token_ids  # (and it still generates)

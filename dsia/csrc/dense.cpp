@@ -2,16 +2,16 @@
 // (+ bias), casspec's own, so that its bits do not rest on what a vendor kernel happens to do on the CPU at hand.
 //
 // The weights are read as panels (dense_pack, once per weight): group g holds outputs [64 g, 64 g + 64) as [K][64]
-// (zeros past N), so one 16-lane load is one input of 16 outputs, and a group is one stream from memory. Output n of a row starts at zero and takes inputs
-// k = 0, 1, ..., K - 1 in order, one fused multiply-add each, then the bias. That sequence is the same whatever the
-// call's row count, whichever rows sit beside a row and however the panels are split between threads, so a row's
-// result is the same bits in a one-token step and in a tree's verification (batch-invariant by construction). The
-// AVX-512, AVX2 and plain loops run the same operations per output (a fused multiply-add is exact before its one
-// rounding, so std::fma gives the instructions' bits), so a row's result is also the same on every machine. The
-// loops share their tiling code (dense_rows.h, included once per instruction set): a tile of O vectors of a group
-// by R rows loads each weight once for its R rows (outer products: no sum is folded across lanes, so a tile runs at
-// the multiply-add units' rate), its next rows find the group in the cache, and memory streams the next group
-// meanwhile.
+// (zeros past N), so one 16-lane load is one input of 16 outputs, and a group is one stream from memory. Output n of
+// a row starts at zero and takes inputs k = 0, 1, ..., K - 1 in order, one fused multiply-add each, then the bias.
+// That sequence is the same whatever the call's row count, whichever rows sit beside a row and however the panels
+// are split between threads, so a row's result is the same bits in a one-token step and in a tree's verification
+// (batch-invariant by construction). The AVX-512, AVX2 and plain loops run the same operations per output (a fused
+// multiply-add is exact before its one rounding, so std::fma gives the instructions' bits), so a row's result is
+// also the same on every machine. The loops share their tiling code (dense_rows.h, included once per instruction
+// set): a tile of O vectors of a group by R rows loads each weight once for its R rows (outer products: no sum is
+// folded across lanes, so a tile runs at the multiply-add units' rate), its next rows find the group in the cache,
+// and memory streams the next group meanwhile.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

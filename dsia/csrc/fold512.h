@@ -1,6 +1,7 @@
-// The folds of 16 vectors of 16 floats at once with AVX-512 (included by ops.cpp: the attention's scores): lane s of the
-// result is the sum of vector s's lanes folded in halves (lane l + lane l+8, then + 4, + 2, + 1), the same additions
-// in the same pairs as one vector's fold, so the same bits; the partial sums of two vectors side by side at each step.
+// The folds of 16 vectors of 16 floats at once with AVX-512 (included by ops.cpp: the attention's scores): lane s of
+// the result is the sum of vector s's lanes folded in halves (lane l + lane l+8, then + 4, + 2, + 1), the same
+// additions in the same pairs as one vector's fold, so the same bits; the partial sums of two vectors side by side at
+// each step.
 #pragma once
 
 #include <immintrin.h>

@@ -439,15 +439,23 @@ void attend(const float* q, int64_t q_row, const float* keys, const float* value
 
 }  // namespace raw
 
+namespace {
+// rows of `width` floats a thread's task of a row-wise op takes at least (a prompt's rows go to every thread; a
+// step's few stay on one: waking the other costs more than they do)
+int64_t rows_a_task(int64_t width) { return std::max<int64_t>(1, kPointwiseTask / std::max<int64_t>(1, width)); }
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm x");
   const int64_t T = x.size(0), D = x.size(1);
   check_norm(weight, D, eps, "rms_norm weight");
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty({T, D}, x.options());
-  for (int64_t t = 0; t < T; ++t) {
-    norm_row(x.data_ptr<float>() + t * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
-  }
+  at::parallel_for(0, T, rows_a_task(D), [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      norm_row(x.data_ptr<float>() + t * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
+    }
+  });
   return out;
 }
 
@@ -462,15 +470,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const at::Tensor w = weight.contiguous();
   at::Tensor sum = at::empty({T, D}, x.options());
   at::Tensor out = at::empty({T, D}, x.options());
-  for (int64_t t = 0; t < T; ++t) {
-    const float* a = x.data_ptr<float>() + t * x.stride(0);
-    const float* b = delta.data_ptr<float>() + t * delta.stride(0);
-    float* s = sum.data_ptr<float>() + t * D;
-    for (int64_t j = 0; j < D; ++j) {
-      s[j] = a[j] + b[j];
+  at::parallel_for(0, T, rows_a_task(D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* a = x.data_ptr<float>() + t * x.stride(0);
+      const float* b = delta.data_ptr<float>() + t * delta.stride(0);
+      float* s = sum.data_ptr<float>() + t * D;
+      for (int64_t j = 0; j < D; ++j) {
+        s[j] = a[j] + b[j];
+      }
+      norm_row(s, w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
     }
-    norm_row(s, w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
-  }
+  });
   return {sum, out};
 }
 
@@ -485,15 +495,17 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
               ", ", hd, "] expected (x's positions and head size), got ", cos.sizes(), " and ", sin.sizes());
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor out = at::empty({H, T, hd}, x.options());
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t t = 0; t < T; ++t) {
-      const float* in = x.data_ptr<float>() + h * x.stride(0) + t * x.stride(1);
-      const float* ct = c.data_ptr<float>() + t * hd;
-      const float* st = s.data_ptr<float>() + t * hd;
-      float* o = out.data_ptr<float>() + (h * T + t) * hd;
-      raw::rope_row(in, ct, st, o, hd);
+  at::parallel_for(0, T, rows_a_task(H * hd), [&](int64_t t0, int64_t t1) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* in = x.data_ptr<float>() + h * x.stride(0) + t * x.stride(1);
+        const float* ct = c.data_ptr<float>() + t * hd;
+        const float* st = s.data_ptr<float>() + t * hd;
+        float* o = out.data_ptr<float>() + (h * T + t) * hd;
+        raw::rope_row(in, ct, st, o, hd);
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -504,10 +516,12 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
               " must be of one shape");
   const int64_t T = gate.size(0), I = gate.size(1);
   at::Tensor out = at::empty({T, I}, gate.options());
-  for (int64_t t = 0; t < T; ++t) {
-    raw::silu_mul_row(gate.data_ptr<float>() + t * gate.stride(0), up.data_ptr<float>() + t * up.stride(0),
-                      out.data_ptr<float>() + t * I, I);
-  }
+  at::parallel_for(0, T, rows_a_task(I), [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      raw::silu_mul_row(gate.data_ptr<float>() + t * gate.stride(0), up.data_ptr<float>() + t * up.stride(0),
+                        out.data_ptr<float>() + t * I, I);
+    }
+  });
   return out;
 }
 

@@ -17,6 +17,7 @@ enum Isa : int64_t { kAuto = -1, kPlain = 0, kAvx2 = 1, kAvx512 = 2 };
 Isa machine_isa();
 
 constexpr int64_t kRowBlock = 16;  // query rows an attention task takes together (each key read once for them)
+constexpr int64_t kPointwiseTask = 1 << 14;  // floats a thread's task of a row-wise op (norm, RoPE, silu) takes
 constexpr int64_t kParallelWork = 1 << 18;  // an attention or a block product of more multiply-adds than this runs
                                             // on every thread (fewer: waking the other costs more)
 

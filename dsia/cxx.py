@@ -5,10 +5,14 @@ changes). Where it does not build (no compiler, no ninja), `build_error` says wh
 torch's own kernels instead."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import shutil
+import sysconfig
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -39,6 +43,26 @@ def check_isa_env() -> None:
                            f"{', '.join(ISAS[:-1])} or {ISAS[-1]}, or unset it")
 
 
+@contextlib.contextmanager
+def own_ninja_first() -> Iterator[None]:
+    """PATH with this interpreter's scripts folder first while the library builds, where the ninja casspec depends on
+    was installed there: torch runs `ninja` from PATH, and two ninjas of other versions (a venv's, run activated; the
+    system's, run through the venv's python alone) each took the other's build log for a stale one and rebuilt the
+    whole library (20 s on a 2-core AMD EPYC) at every switch."""
+    scripts, before = sysconfig.get_path("scripts"), os.environ.get("PATH")
+    if not scripts or shutil.which("ninja", path=scripts) is None:
+        yield
+        return
+    os.environ["PATH"] = os.pathsep.join([scripts, before]) if before else scripts
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = before
+
+
 @functools.cache
 def build_error() -> str | None:
     """Build (or load the cached build of) the library once per process: None when torch.ops.casspec and
@@ -50,9 +74,10 @@ def build_error() -> str | None:
         # is ATen's bits and every sum the same on every machine (the dense product's fused multiply-adds are
         # written out: std::fma in its plain path); -fopenmp: at::parallel_for runs on torch's threads (its OpenMP
         # runtime, loaded first, serves the library; without the flag the loops run on one thread)
-        load(name=EXTENSION, sources=[str(s) for s in SOURCES],
-             extra_cflags=["-O2", "-ffp-contract=off", "-Wno-psabi", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        with own_ninja_first():
+            load(name=EXTENSION, sources=[str(s) for s in SOURCES],
+                 extra_cflags=["-O2", "-ffp-contract=off", "-Wno-psabi", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                 is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a header mismatch: torch's kernels are the same computation
         first = str(e).strip().splitlines()
         return f"{type(e).__name__}: {first[0] if first else ''}"

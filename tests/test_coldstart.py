@@ -1,6 +1,7 @@
 """Cold start: level weights kept in the user cache, learned state kept between processes, the profile made on
 first use (on tiny random models, with tiny grids: the logic, not the timings)."""
 import json
+import os
 import threading
 
 import pytest
@@ -244,3 +245,28 @@ def test_generate_without_the_hf_model_is_exact(tmp_path):
     for method in ("ar", "dytc"):
         req = Request(max_new_tokens=20, method=method)
         assert without.generate_ids(PROMPT, req).token_ids == with_hf.generate_ids(PROMPT, req).token_ids
+
+
+def test_the_library_builds_with_the_ninja_installed_beside_this_python(tmp_path, monkeypatch):
+    import shutil
+    import sysconfig
+
+    from dsia.cxx import own_ninja_first
+    scripts = tmp_path / "bin"
+    scripts.mkdir()
+    ninja = scripts / "ninja"
+    ninja.write_text("#!/bin/sh\n")
+    ninja.chmod(0o755)
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(scripts))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with own_ninja_first():  # (torch runs `ninja` from PATH: the one pip installed with casspec, whatever PATH says)
+        assert shutil.which("ninja") == str(ninja)
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+    monkeypatch.delenv("PATH")
+    with own_ninja_first():
+        assert os.environ["PATH"] == str(scripts)
+    assert "PATH" not in os.environ
+    ninja.unlink()  # none there: PATH as it was
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with own_ninja_first():
+        assert os.environ["PATH"] == "/usr/bin:/bin"

@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from .blockq import BlockLinear
-from .cxx import LIBRARY_DTYPES
 from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import casspec_panels, kernel_for, mkl_packed
 from .model import EAGER, FUSED_GROUPS, KvAccess, Pointwise, Transformer
@@ -115,8 +114,7 @@ def _packed_slot(kernel: object, bias: Tensor | None) -> Slot:
 
 
 def _dense_slot(model: Transformer, w: Tensor, bias: Tensor | None) -> Slot:
-    mkl = "mkl" in model.dense.names and w.dtype == torch.float32
-    own = "casspec" in model.dense.names and w.dtype in LIBRARY_DTYPES
+    mkl, own = model.dense.keeps_copy("mkl", w), model.dense.keeps_copy("casspec", w)
     return Slot(DENSE, w, mkl_packed(w) if mkl else EMPTY, EMPTY if bias is None else bias,
                 panels=casspec_panels(w) if own else EMPTY)
 

@@ -170,13 +170,18 @@ class DenseKernels:
         same bits whatever the row count (by construction: the batch-invariant mode then needs no padding)."""
         return all(kernel_for(self, top, dtype, device) == "casspec" for top in BUCKETS)
 
+    def keeps_copy(self, name: str, w: Tensor) -> bool:
+        """Whether kernel `name` ("mkl" or "casspec", each keeping a weight in its own layout) runs some product of
+        w: chosen for some bucket, and computing w's dtype on w's device."""
+        return name in self.names and w.dtype in CPU_DTYPES[name] and w.device.type == "cpu"
+
     def prepare(self, weights: list[Tensor], others: list[Tensor] = ()) -> None:
         """Pack ahead the weights a chosen kernel keeps in its own layout (set-up time, not the first step's), and
         free the packed copies of those no chosen kernel reads (e.g. packed while measuring), and of `others`,
         weights whose products no forward runs here (a native target's dense copies)."""
         for w in weights:
             for name, store in (("mkl", _PACKED), ("casspec", _PANELS)):
-                if name in self.names and w.dtype in CPU_DTYPES[name] and w.device.type == "cpu":
+                if self.keeps_copy(name, w):
                     store.pack(w)
                 elif name not in self.names:
                     store.drop(w)

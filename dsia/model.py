@@ -68,9 +68,15 @@ class LayerWeights:
 
     def products(self) -> list[Tensor]:
         """The weights the target's forward multiplies, each once (the fused ones in place of their parts)."""
-        qkv = [self.wqkv] if self.wqkv is not None else [self.wq, self.wk, self.wv]
-        gate_up = [self.w_gate_up] if self.w_gate_up is not None else [self.w_gate, self.w_up]
-        return qkv + [self.wo] + gate_up + [self.w_down]
+        return [w for w, _ in self.product_parts()]
+
+    def product_parts(self) -> list[tuple[Tensor, tuple[str, ...]]]:
+        """`products`, each with the projections it computes."""
+        qkv = [(self.wqkv, ("q", "k", "v"))] if self.wqkv is not None else [(self.wq, ("q",)), (self.wk, ("k",)),
+                                                                              (self.wv, ("v",))]
+        gate_up = ([(self.w_gate_up, ("gate", "up"))] if self.w_gate_up is not None
+                   else [(self.w_gate, ("gate",)), (self.w_up, ("up",))])
+        return qkv + [(self.wo, ("o",))] + gate_up + [(self.w_down, ("down",))]
 
 
 @dataclass(frozen=True)
@@ -261,29 +267,25 @@ class Transformer:
         chosen kernel keeps in its own layout: the only copies made)."""
         other = copy.copy(self)
         other.dense = dense
-        run = self.dense_run_weights()
-        dense.prepare(run, [w for w in self.dense_weights() if not any(w is r for r in run)])
+        dense.prepare(*self._dense_split())
         return other
 
     def dense_weights(self) -> list[Tensor]:
         """Every weight the target's dense kernels multiply: each layer's projections, then the LM head."""
         return [w for lw in self.layers for w in lw.products()] + [self.lm_head]
 
-    def dense_run_weights(self) -> list[Tensor]:
-        """The dense weights whose products a target forward runs: all of them, but those the native kernels run
-        instead (a native target's layers and head: their dense copies are only read to build levels)."""
-        if self.native is None:
-            return self.dense_weights()
-        out = []
+    def _dense_split(self) -> tuple[list[Tensor], list[Tensor]]:
+        """`dense_weights` as (those whose products a target forward runs, the others): the others are those the
+        native kernels run instead (a native target's layers and head: their dense copies are only read to build
+        levels)."""
+        run: list[Tensor] = []
+        others: list[Tensor] = []
         for i, lw in enumerate(self.layers):
-            native = self._native_parts(i)
-            for fused, parts in ((lw.wqkv, ("q", "k", "v")), (lw.w_gate_up, ("gate", "up"))):
-                if fused is not None:
-                    out += [fused] if not native & set(parts) else []
-                else:
-                    out += [lw.projections()[n] for n in parts if n not in native]
-            out += [lw.projections()[n] for n in ("o", "down") if n not in native]
-        return out + ([self.lm_head] if self.native.head is None else [])
+            native = self._native_parts(i) if self.native is not None else set()
+            for w, parts in lw.product_parts():
+                (others if native & set(parts) else run).append(w)
+        (others if self.native is not None and self.native.head is not None else run).append(self.lm_head)
+        return run, others
 
     def with_fused_projections(self) -> "Transformer":
         """The same model with each layer's q|k|v and gate|up products as one each (`LayerWeights.fused`): on a

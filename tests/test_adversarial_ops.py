@@ -255,6 +255,12 @@ def test_the_layer_loop_checks_its_construction():
         Stack(*stack_args(kinds=[-1, 1, 1, 1, 1, 1, 1]))  # no q product
     with pytest.raises(RuntimeError, match="do not form its products"):
         Stack(*stack_args(kinds=[1, -1, 1, 1, 1, 1, 1]))  # k fused into q, v not
+    args = list(stack_args())
+    args[4] = [torch.ops.casspec.dense_pack(w) for w in args[2]]  # (each weight's panels: one region)
+    assert Stack(*args).one_region()
+    args[4] = [torch.ops.casspec.dense_pack(w[:, :-1]) for w in args[2]]  # (panels of fewer inputs than read)
+    with pytest.raises(RuntimeError, match=r"panels \[\d+, \d+, 64\] contiguous expected"):
+        Stack(*args)
 
 
 def test_the_layer_loop_checks_each_call():

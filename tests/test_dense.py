@@ -105,6 +105,7 @@ def test_the_product_over_a_weights_panels_is_the_product_of_the_weight(T, K, N,
     assert panels.shape == ((N + 63) // 64, K, 64) and panels.dtype == dtype
     assert torch.equal(panels.permute(0, 2, 1).reshape(-1, K)[:N], w)
     assert not panels.permute(0, 2, 1).reshape(-1, K)[N:].any()
+    assert torch.equal(ops.dense_pack(w.t().contiguous().t()), panels)  # (a weight of any strides)
     for isa in isas():
         assert torch.equal(ops.dense_panels(x, panels, N, None, isa), ops.dense_linear(x, w, None, -1))
 

@@ -27,7 +27,7 @@
 namespace casspec {
 namespace {
 constexpr int64_t kLanes = 16;  // outputs a vector
-constexpr int64_t kGroup = 64;  // outputs a group of the panels (4 vectors: an AVX-512 tile's width)
+constexpr int64_t kGroup = kDenseGroup;
 constexpr int64_t kAheadBytes = 8192;  // a group swept once (up to 6 rows) prefetches its stream this far ahead (as
 // the row-major kernel before it found best: 1.2x the bandwidth floor in float32 against 1.3x)
 
@@ -167,12 +167,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> checked(const at::Tensor& x, c
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "casspec dense_panels: float32 or bfloat16 x expected, "
               "got ", c10::toString(dtype));
   check_tensor(x, "dense_panels x [T, K]", dtype, 2);
-  check_tensor(panels, "dense_panels panels [G, K, 64] (x's dtype)", dtype, 3);
-  const int64_t K = x.size(1);
-  TORCH_CHECK(N >= 0 && panels.size(0) == groups_of(N) && panels.size(1) == K && panels.size(2) == kGroup &&
-                  panels.is_contiguous(),
-              "casspec dense_panels: panels [", groups_of(N), ", ", K, ", 64] contiguous expected (dense_pack of a w ",
-              "[", N, ", ", K, "]), got ", panels.sizes());
+  check_panels(panels, N, x.size(1), dtype, "dense_panels");
   if (bias) {
     check_tensor(*bias, "dense_panels bias [N] (x's dtype)", dtype, 1);
     TORCH_CHECK(bias->size(0) == N, "casspec dense_panels: bias of ", N, " values expected, got ", bias->sizes());
@@ -182,6 +177,14 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> checked(const at::Tensor& x, c
   return {x.contiguous(), bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt};
 }
 }  // namespace
+
+void check_panels(const at::Tensor& panels, int64_t N, int64_t K, at::ScalarType dtype, const char* what) {
+  check_tensor(panels, what, dtype, 3);
+  TORCH_CHECK(N >= 0 && panels.size(0) == groups_of(N) && panels.size(1) == K && panels.size(2) == kGroup &&
+                  panels.is_contiguous(),
+              "casspec ", what, ": panels [", groups_of(N), ", ", K, ", 64] contiguous expected (dense_pack of a w [",
+              N, ", ", K, "]), got ", panels.sizes());
+}
 
 void raw::dense_range(const float* x, const float* panels, const float* bias, float* y, int64_t ldy, int64_t T,
                       int64_t K, int64_t lo, int64_t hi, Isa isa) {
@@ -195,23 +198,9 @@ at::Tensor dense_pack(const at::Tensor& w) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "casspec dense_pack: float32 or bfloat16 w expected, "
               "got ", c10::toString(dtype));
   check_tensor(w, "dense_pack w [N, K]", dtype, 2);
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), P = groups_of(N);
-  at::Tensor out = at::zeros({P, K, kGroup}, wc.options());
-  const int64_t item = at::elementSize(dtype);
-  const char* src = static_cast<const char*>(wc.data_ptr());
-  char* dst = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
-    for (int64_t p = a; p < b; ++p) {
-      for (int64_t l = 0; l < kGroup && p * kGroup + l < N; ++l) {
-        const char* row = src + (p * kGroup + l) * K * item;
-        for (int64_t k = 0; k < K; ++k) {
-          std::memcpy(dst + ((p * K + k) * kGroup + l) * item, row + k * item, item);
-        }
-      }
-    }
-  });
-  return out;
+  const int64_t N = w.size(0), K = w.size(1), P = groups_of(N);
+  // [N, K] padded with zero rows to [P * 64, K], each group's [64, K] transposed to [K, 64]
+  return at::constant_pad_nd(w, {0, 0, 0, P * kGroup - N}).reshape({P, kGroup, K}).transpose(1, 2).contiguous();
 }
 
 // x [T, K] and panels [ceil(N / 64), K, 64] (dense_pack of w [N, K]), both float32 or both bfloat16, bias [N] in

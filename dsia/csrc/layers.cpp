@@ -150,12 +150,11 @@ struct Stack : torch::CustomClassHolder {
 
   Stack(std::vector<at::Tensor> norms, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
         std::vector<at::Tensor> aux, std::vector<at::Tensor> panels, std::vector<at::Tensor> biases,
-        std::vector<int64_t> group_sizes, std::vector<int64_t> doubled, int64_t act_dtype, int64_t n_heads, int64_t n_kv_heads, double eps,
-        std::vector<int64_t> invariance)
+        std::vector<int64_t> group_sizes, std::vector<int64_t> doubled, int64_t act_dtype, int64_t n_heads,
+        int64_t n_kv_heads, double eps, std::vector<int64_t> invariance)
       : norms(std::move(norms)), kinds(std::move(kinds)), weights(std::move(weights)), aux(std::move(aux)),
         panels(std::move(panels)), biases(std::move(biases)), group_sizes(std::move(group_sizes)),
-        doubled(std::move(doubled)),
-        act_dtype(act_dtype), n_heads(n_heads), n_kv_heads(n_kv_heads), eps(eps) {
+        doubled(std::move(doubled)), act_dtype(act_dtype), n_heads(n_heads), n_kv_heads(n_kv_heads), eps(eps) {
     TORCH_CHECK(invariance.size() == 3, "casspec Stack: block, float32 min rows, torch's own MACs");
     for (int64_t kind : this->kinds) {
       TORCH_CHECK(kind == kNone || kind == kPacked || kind == kDense || kind == kBlocks,
@@ -185,8 +184,8 @@ struct Stack : torch::CustomClassHolder {
         TORCH_CHECK(k[j] == kNone || this->weights[j].defined(), "casspec Stack: slot ", j, " has no weight");
       }
     }
-    own_step = casspec::OwnStep::from(this->norms, this->kinds, this->weights, this->aux, this->panels, this->biases,
-                                      this->group_sizes, n_heads, n_kv_heads, eps);
+    own_step = casspec::OwnStep::from(this->norms, this->kinds, this->weights, this->aux, this->panels,
+                                      this->biases, this->group_sizes, n_heads, n_kv_heads, eps);
   }
 
   // whether a float32 call with casspec's ops and attention (and its own dense kernel) runs in one parallel region
@@ -352,8 +351,9 @@ struct Stack : torch::CustomClassHolder {
 TORCH_LIBRARY(casspec, m) {
   m.class_<Stack>("Stack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                       int64_t, int64_t, int64_t, double, std::vector<int64_t>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
+                       std::vector<int64_t>>())
       .def("run", &Stack::run)
       .def("one_region", &Stack::one_region);
 }

@@ -325,14 +325,14 @@ template <class KV, bool Wide>
                                              int64_t out_row) {
   switch (hd) {
     case 64:
-      return attend_impl<4, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
-                            out_row);
+      return attend_impl<4, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd,
+                                        scale, out, out_row);
     case 128:
-      return attend_impl<8, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
-                            out_row);
+      return attend_impl<8, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd,
+                                        scale, out, out_row);
     default:
-      return attend_impl<0, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd, scale, out,
-                            out_row);
+      return attend_impl<0, KV, Wide>(q, q_row, q_head, keys, k_stride, values, v_stride, seen, r0, r1, G, hd,
+                                        scale, out, out_row);
   }
 }
 

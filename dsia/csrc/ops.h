@@ -47,6 +47,10 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 // dense_pack: w as the kernel reads it, panels [ceil(N / 64), K, 64] (made once per weight by its caller);
 // dense_panels: the product with them; dense_linear: the same product of w as it is (packed for the call)
 at::Tensor dense_pack(const at::Tensor& w);
+constexpr int64_t kDenseGroup = 64;  // outputs a group of the panels (dense.cpp: an AVX-512 tile's 4 vectors)
+// panels [ceil(N / 64), K, 64] of `dtype`, contiguous, on the CPU, as dense_pack makes them of a w [N, K], or an
+// error naming `what`
+void check_panels(const at::Tensor& panels, int64_t N, int64_t K, at::ScalarType dtype, const char* what);
 at::Tensor dense_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const std::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,

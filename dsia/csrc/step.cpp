@@ -65,10 +65,7 @@ std::optional<StepProduct> product_of(int64_t kind, const at::Tensor& w, const a
   }
   if (kind == kDense && w.scalar_type() == at::kFloat && w.dim() == 2 && panels.numel() > 0) {
     TORCH_CHECK(w.size(1) == in, kWhat, ": a dense weight of ", w.size(1), " inputs where the layer has ", in);
-    check_tensor(panels, "Stack: a dense weight's panels [G, K, 64]", at::kFloat, 3);
-    TORCH_CHECK(panels.size(0) == (w.size(0) + 63) / 64 && panels.size(1) == in && panels.size(2) == 64 &&
-                    panels.is_contiguous(),
-                kWhat, ": the panels of a dense weight ", w.sizes(), " expected (dense_pack), got ", panels.sizes());
+    check_panels(panels, w.size(0), in, at::kFloat, "Stack (one-region step): a dense weight's panels");
     p.dense = panels.data_ptr<float>();
     p.N = w.size(0);
     return p;
@@ -89,7 +86,8 @@ const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
 std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
                                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& aux,
                                        const std::vector<at::Tensor>& panels, const std::vector<at::Tensor>& biases,
-                                       const std::vector<int64_t>& outputs, int64_t n_heads, int64_t n_kv_heads, double eps) {
+                                       const std::vector<int64_t>& outputs, int64_t n_heads, int64_t n_kv_heads,
+                                       double eps) {
   auto step = std::unique_ptr<OwnStep>(new OwnStep());
   const int64_t L = static_cast<int64_t>(norms.size()) / 2;
   if (L == 0 || norms[0].scalar_type() != at::kFloat || norms[0].dim() != 1) {
@@ -224,8 +222,7 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
           raw::block_tiles(p.w, acts, T, out + p.offset, g.width, lo, hi, block_isa);
         } else {
           raw::dense_range(in, p.dense, nullptr, out + p.offset, g.width, T, p.K, lo * p.unit(),
-                           std::min(p.N, hi * p.unit()),
-                           dense_isa);
+                           std::min(p.N, hi * p.unit()), dense_isa);
         }
         const int64_t c0 = p.offset + lo * p.unit(), c1 = p.offset + std::min(p.N, hi * p.unit());  // its columns
         for (const StepBias& bias : g.biases) {

@@ -28,8 +28,9 @@ struct StepProduct {
   raw::Blocks w;  // blocks
   const float* dense;  // panels [ceil(N / 64), K, 64] (dense_pack)
   int64_t N, K, offset;
-  int64_t unit() const { return blocks ? 16 : 32; }  // outputs a thread's share is counted in (a block tile, half
-                                                     // a dense group of dense.cpp's)
+  // outputs a thread's share is counted in: a block tile, or half a dense group (two threads then share an odd
+  // number of groups evenly)
+  int64_t unit() const { return blocks ? 16 : kDenseGroup / 2; }
   int64_t units() const { return (N + unit() - 1) / unit(); }
 };
 

@@ -40,6 +40,7 @@ from dytc.verify import Noise, coupled_sample, verify_coupled, verify_greedy, ve
 from .autoprofile import autoprofile as run_autoprofile
 from .autoprofile import cached_profile, profile_key
 from .detok import TextStream
+from .gcpause import paused_gc
 from .levelstore import LevelStore
 from .loading import Loaded, load
 from .methods import Drafters, make_policy
@@ -344,7 +345,7 @@ class Engine:
             self._lock.release()  # (a plain Lock: a stream closed by another thread may release it)
 
     def _stream(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None = None) -> Iterator[str]:
-        with self._exclusive():
+        with self._exclusive(), paused_gc():
             yield from self._pieces(prompt_ids, req, cancel)
 
     # ------------------------------------------------------------------ text and stops

@@ -217,3 +217,48 @@ def test_a_chat_turn_prefills_only_what_the_cache_does_not_hold(method):
     assert e.generate_ids([60, 61], req).stats.reused_tokens == 0  # nothing in common
     again = e.generate_ids([60, 61], req)  # the same prompt again: all but its last token
     assert again.stats.reused_tokens == 1 and again.token_ids == fresh.generate_ids([60, 61], req).token_ids
+
+
+def test_the_collector_is_paused_while_a_generation_runs_and_as_it_was_after():
+    import gc
+
+    e = engine()
+    seen = []
+    for piece in e.generate("w11 w12 w13", max_new_tokens=12, stream=True):
+        seen.append(gc.isenabled())
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    gc.disable()  # a program that turned it off keeps it off
+    try:
+        e.generate("w11 w12 w13", max_new_tokens=4)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_overlapping_pauses_on_threads_resume_the_collector_when_the_last_ends():
+    import gc
+    import threading
+
+    from casspec.gcpause import paused_gc
+
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with paused_gc():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert inside.wait(10)
+    with paused_gc():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's pause is still open
+    release.set()
+    t.join(10)
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with paused_gc():
+            raise RuntimeError("x")
+    assert gc.isenabled()

@@ -13,7 +13,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -392,13 +391,13 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(isa >= kAuto && isa <= raw::block_isa(), "casspec block_linear: isa ", isa,
               " is not one this CPU runs (or CASSPEC_ISA allows): -1 the best, 0 plain, 1 AVX2, 2 AVX-512 VNNI");
   const at::Tensor xc = x.contiguous();
-  at::Tensor xq = at::empty({T, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({T, blocks}, x.options()), sx = at::empty({T, blocks}, x.options());
-  at::Tensor xsum = at::empty({T, blocks}, x.options().dtype(at::kInt));
+  at::Tensor xq = x.new_empty({T, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = x.new_empty({T, blocks}), sx = x.new_empty({T, blocks});
+  at::Tensor xsum = x.new_empty({T, blocks}, x.options().dtype(at::kInt));
   const raw::BlockActs acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
                             xsum.data_ptr<int32_t>()};
   raw::quantize_blocks(xc.data_ptr<float>(), acts, 0, T * blocks);
-  at::Tensor out = at::empty({T, n}, x.options());
+  at::Tensor out = x.new_empty({T, n});
   const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const raw::Blocks w{codes.data_ptr<uint8_t>(), codes.size(2) == kGroups, d,
                       scales.size(0) == 2 ? d + tiles * blocks * kTile : nullptr, n, K};
@@ -411,7 +410,3 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 }
 
 }  // namespace casspec
-
-TORCH_LIBRARY_FRAGMENT(casspec, m) {
-  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int n, int isa=-1) -> Tensor", &casspec::block_linear);
-}

@@ -12,10 +12,8 @@
 // set): a tile of O vectors of a group by R rows loads each weight once for its R rows (outer products: no sum is
 // folded across lanes, so a tile runs at the multiply-add units' rate), its next rows find the group in the cache,
 // and memory streams the next group meanwhile.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -200,7 +198,9 @@ at::Tensor dense_pack(const at::Tensor& w) {
   check_tensor(w, "dense_pack w [N, K]", dtype, 2);
   const int64_t N = w.size(0), K = w.size(1), P = groups_of(N);
   // [N, K] padded with zero rows to [P * 64, K], each group's [64, K] transposed to [K, 64]
-  return at::constant_pad_nd(w, {0, 0, 0, P * kGroup - N}).reshape({P, kGroup, K}).transpose(1, 2).contiguous();
+  at::Tensor padded = w.new_zeros({P * kGroup, K});
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, kGroup, K}).transpose(1, 2).contiguous();
 }
 
 // x [T, K] and panels [ceil(N / 64), K, 64] (dense_pack of w [N, K]), both float32 or both bfloat16, bias [N] in
@@ -213,7 +213,7 @@ at::Tensor dense_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N
   const Isa use = isa == kAuto ? machine_isa() : static_cast<Isa>(isa);
   const int64_t T = xc.size(0), K = xc.size(1), P = halves_of(N);
   const at::Tensor xf = xc.scalar_type() == at::kFloat ? xc : xc.to(at::kFloat);  // (bfloat16 widened: exact)
-  at::Tensor y = at::empty({T, N}, xc.options());
+  at::Tensor y = xc.new_empty({T, N});
   const int64_t work = std::max<int64_t>(1, T * K * kGroup / 2);  // multiply-adds of a half group
   const int64_t grain = std::max<int64_t>(1, kParallelWork / work);
   auto run = [&](const auto& j) {
@@ -240,10 +240,3 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 }
 
 }  // namespace casspec
-
-TORCH_LIBRARY_FRAGMENT(casspec, m) {
-  m.def("dense_linear(Tensor x, Tensor w, Tensor? bias=None, int isa=-1) -> Tensor", &casspec::dense_linear);
-  m.def("dense_pack(Tensor w) -> Tensor", &casspec::dense_pack);
-  m.def("dense_panels(Tensor x, Tensor panels, int N, Tensor? bias=None, int isa=-1) -> Tensor",
-        &casspec::dense_panels);
-}

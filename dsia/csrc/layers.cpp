@@ -348,7 +348,20 @@ struct Stack : torch::CustomClassHolder {
   }
 };
 
+// every op and class of the library, registered here (one TORCH_LIBRARY: the other files hold no torch/library.h,
+// whose parse was a third of the library's 20-second build)
 TORCH_LIBRARY(casspec, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &casspec::rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)", &casspec::add_rms_norm);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &casspec::rope);
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &casspec::silu_mul);
+  m.def("attention(Tensor q, Tensor keys, Tensor values, int end, Tensor? mask, float scale) -> Tensor",
+        &casspec::attention);
+  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int n, int isa=-1) -> Tensor", &casspec::block_linear);
+  m.def("dense_linear(Tensor x, Tensor w, Tensor? bias=None, int isa=-1) -> Tensor", &casspec::dense_linear);
+  m.def("dense_pack(Tensor w) -> Tensor", &casspec::dense_pack);
+  m.def("dense_panels(Tensor x, Tensor panels, int N, Tensor? bias=None, int isa=-1) -> Tensor",
+        &casspec::dense_panels);
   m.class_<Stack>("Stack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

@@ -13,7 +13,6 @@
 #include "fold512.h"
 
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -450,7 +449,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t T = x.size(0), D = x.size(1);
   check_norm(weight, D, eps, "rms_norm weight");
   const at::Tensor w = weight.contiguous();
-  at::Tensor out = at::empty({T, D}, x.options());
+  at::Tensor out = x.new_empty({T, D});
   at::parallel_for(0, T, rows_a_task(D), [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
       norm_row(x.data_ptr<float>() + t * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
@@ -468,8 +467,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   const int64_t T = x.size(0), D = x.size(1);
   check_norm(weight, D, eps, "add_rms_norm weight");
   const at::Tensor w = weight.contiguous();
-  at::Tensor sum = at::empty({T, D}, x.options());
-  at::Tensor out = at::empty({T, D}, x.options());
+  at::Tensor sum = x.new_empty({T, D});
+  at::Tensor out = x.new_empty({T, D});
   at::parallel_for(0, T, rows_a_task(D), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* a = x.data_ptr<float>() + t * x.stride(0);
@@ -494,7 +493,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   TORCH_CHECK(cos.size(0) == T && cos.size(1) == hd && sin.sizes() == cos.sizes(), "casspec rope: cos and sin [", T,
               ", ", hd, "] expected (x's positions and head size), got ", cos.sizes(), " and ", sin.sizes());
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
-  at::Tensor out = at::empty({H, T, hd}, x.options());
+  at::Tensor out = x.new_empty({H, T, hd});
   at::parallel_for(0, T, rows_a_task(H * hd), [&](int64_t t0, int64_t t1) {
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -515,7 +514,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.sizes() == up.sizes(), "casspec silu_mul: gate ", gate.sizes(), " and up ", up.sizes(),
               " must be of one shape");
   const int64_t T = gate.size(0), I = gate.size(1);
-  at::Tensor out = at::empty({T, I}, gate.options());
+  at::Tensor out = gate.new_empty({T, I});
   at::parallel_for(0, T, rows_a_task(I), [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
       raw::silu_mul_row(gate.data_ptr<float>() + t * gate.stride(0), up.data_ptr<float>() + t * up.stride(0),
@@ -563,7 +562,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   TORCH_CHECK(std::isfinite(scale), "casspec attention: a finite scale expected, got ", scale);
   const at::Tensor m = visible_mask(mask, T, end, "casspec attention");
   const at::Tensor qf = q.to(at::kFloat);  // (bfloat16 to float32 is exact; a float32 q is itself)
-  at::Tensor out = at::empty({T, H * hd}, qf.options());  // [T, H*hd]: the output projection's input
+  at::Tensor out = qf.new_empty({T, H * hd});  // [T, H*hd]: the output projection's input
   const int64_t G = H / Hkv;
   const Visible seen{m.defined() ? m.data_ptr<bool>() : nullptr, T, end};
   const int64_t blocks = (T + kRowBlock - 1) / kRowBlock, items = Hkv * blocks;  // (KV head, block of rows)
@@ -591,12 +590,3 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
 }
 
 }  // namespace casspec
-
-TORCH_LIBRARY_FRAGMENT(casspec, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &casspec::rms_norm);
-  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)", &casspec::add_rms_norm);
-  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &casspec::rope);
-  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &casspec::silu_mul);
-  m.def("attention(Tensor q, Tensor keys, Tensor values, int end, Tensor? mask, float scale) -> Tensor",
-        &casspec::attention);
-}

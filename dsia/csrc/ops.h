@@ -2,7 +2,7 @@
 // by the C++ layer loop (layers.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

@@ -179,12 +179,14 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
   const at::Tensor m = visible_mask(mask, T, end, kWhat);
   const bool* seen = m.defined() ? m.data_ptr<bool>() : nullptr;
   const auto f = x_in.options().dtype(at::kFloat);
-  at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous), delta = at::empty({T, D}, f), h = at::empty({T, D}, f);
-  at::Tensor qkv = at::empty({T, (H + 2 * Hkv) * hd}, f), q = at::empty({T, HD}, f), att = at::empty({T, HD}, f);
-  at::Tensor gu = at::empty({T, 2 * I}, f), act = at::empty({T, I}, f);
-  at::Tensor xq = at::empty({T * widest_}, f.dtype(at::kChar));
-  at::Tensor scales = at::empty({2, T * widest_ / raw::kBlockInputs}, f);
-  at::Tensor sums = at::empty({T * widest_ / raw::kBlockInputs}, f.dtype(at::kInt));
+  at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);
+  at::Tensor delta = x_in.new_empty({T, D}, f), h = x_in.new_empty({T, D}, f);
+  at::Tensor qkv = x_in.new_empty({T, (H + 2 * Hkv) * hd}, f);
+  at::Tensor q = x_in.new_empty({T, HD}, f), att = x_in.new_empty({T, HD}, f);
+  at::Tensor gu = x_in.new_empty({T, 2 * I}, f), act = x_in.new_empty({T, I}, f);
+  at::Tensor xq = x_in.new_empty({T * widest_}, f.dtype(at::kChar));
+  at::Tensor scales = x_in.new_empty({2, T * widest_ / raw::kBlockInputs}, f);
+  at::Tensor sums = x_in.new_empty({T * widest_ / raw::kBlockInputs}, f.dtype(at::kInt));
   const raw::BlockActs acts{xq.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(),
                             sums.data_ptr<int32_t>()};
   float* X = x.data_ptr<float>();

@@ -3,7 +3,7 @@
 // Stack (layers.cpp) runs its layers here where it can, the ATen loop otherwise; both give the same bits.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <memory>
 #include <optional>

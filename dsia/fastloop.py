@@ -11,14 +11,15 @@ without q|k|v and gate|up fused, with or without biases, and a batch-invariant t
 are all packed (a GGUF target run as stored); the others (skipped sublayers, an early exit, sparse MLPs, other
 quantized kernels, oneDNN's product, q/k norms, batch-invariant targets with dense products) run the Python loop.
 Where no compiler is found the build fails once, quietly, and every forward runs the Python loop. A float32 call
-whose every product is casspec's own (blocks, or dense weights on casspec's kernel) and whose norms, RoPE and
-attention are casspec's ops runs its layers in one parallel region instead (csrc/step.cpp: no ATen op between
-them; the same bits, `LayerStack.one_region`).
+whose every product is casspec's own (blocks, or dense weights on casspec's kernel), or a bfloat16 one whose every
+product is a dense one on casspec's kernel without a bias, and whose norms, RoPE and attention are casspec's ops
+runs its layers in one parallel region instead (csrc/step.cpp: no ATen op between them; the same bits,
+`LayerStack.one_region`).
 
-The same library holds casspec's own ops: for a float32 forward's small steps (csrc/ops.cpp: RMSNorm with the
-residual add, RoPE, and an attention that computes each row over its own keys, so a row's bits do not depend on the
-rows beside it), which `cxx_pointwise` gives the Python loop and a stack runs for a model that has them, so the two
-loops stay the same bits; and the block product of GGUF weights as stored (csrc/blockq.cpp).
+The same library holds casspec's own ops: for a float32 or bfloat16 forward's small steps (csrc/ops.cpp: RMSNorm
+with the residual add, RoPE, and an attention that computes each row over its own keys, so a row's bits do not depend
+on the rows beside it), which `cxx_pointwise` gives the Python loop and a stack runs for a model that has them, so
+the two loops stay the same bits; and the block product of GGUF weights as stored (csrc/blockq.cpp).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from .blockq import BlockLinear
+from .cxx import LIBRARY_DTYPES
 from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import casspec_panels, kernel_for, mkl_packed
 from .model import EAGER, FUSED_GROUPS, KvAccess, Pointwise, Transformer
@@ -79,7 +81,8 @@ class LayerStack:
 
     @functools.cached_property
     def one_region(self) -> bool:
-        """Whether its float32 calls with casspec's ops and attention run in one parallel region (csrc/step.cpp)."""
+        """Whether its calls with casspec's ops and attention run in one parallel region (csrc/step.cpp): a float32
+        stack of casspec's products, or a bfloat16 one of dense products without biases."""
         return bool(self.stack.one_region())
 
     @functools.cached_property
@@ -186,38 +189,40 @@ class Stacks:
         return found[1]
 
 
-def _float32_cpu(*xs: Tensor) -> bool:
-    return all(x.dtype == torch.float32 and x.device.type == "cpu" for x in xs)
+def _own_cpu(*xs: Tensor) -> bool:
+    """Whether the tensors are CPU ones of one dtype casspec's ops take (float32 or bfloat16)."""
+    return all(x.dtype == xs[0].dtype and x.dtype in LIBRARY_DTYPES and x.device.type == "cpu" for x in xs)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if x.dim() == 2 and _float32_cpu(x) and x.stride(1) == 1:
+    if x.dim() == 2 and _own_cpu(x) and x.stride(1) == 1:
         return torch.ops.casspec.rms_norm(x, weight, eps)
     return EAGER.rms_norm(x, weight, eps)  # (q/k norms over [T, heads, hd], other dtypes)
 
 
 def _add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    if x.dim() == 2 and _float32_cpu(x, delta) and x.stride(1) == 1 and delta.stride(1) == 1:
+    if x.dim() == 2 and _own_cpu(x, delta) and x.stride(1) == 1 and delta.stride(1) == 1:
         return torch.ops.casspec.add_rms_norm(x, delta, weight, eps)
     return EAGER.add_rms_norm(x, delta, weight, eps)
 
 
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    if gate.dim() == 2 and _float32_cpu(gate, up) and gate.stride(1) == 1 and up.stride(1) == 1:
+    if gate.dim() == 2 and _own_cpu(gate, up) and gate.stride(1) == 1 and up.stride(1) == 1:
         return torch.ops.casspec.silu_mul(gate, up)
     return EAGER.silu_mul(gate, up)
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    if x.dim() == 3 and _float32_cpu(x) and x.stride(2) == 1:
+    if x.dim() == 3 and _own_cpu(x) and x.stride(2) == 1:
         return torch.ops.casspec.rope(x, cos, sin)
     return EAGER.rope(x, cos, sin)
 
 
 @functools.cache
 def cxx_pointwise() -> Pointwise:
-    """The forward's small steps by casspec's C++ ops where they take the tensors (float32 on a CPU: RMSNorm with
-    the residual add, RoPE, the MLP's silu(gate) * up, and each row's attention over its own keys), else eagerly.
+    """The forward's small steps by casspec's C++ ops where they take the tensors (float32 or bfloat16 on a CPU:
+    RMSNorm with the residual add, RoPE, the MLP's silu(gate) * up, and each row's attention over its own keys; a
+    bfloat16 op rounds each result where the eager ops round it), else eagerly.
     The C++ loop calls the same ops for a model with this Pointwise, so both loops give the same bits. Needs the
     build (`build_error()` None)."""
     return dataclasses.replace(EAGER, rms_norm=_rms_norm, add_rms_norm=_add_rms_norm, rope=_rope,

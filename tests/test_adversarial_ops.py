@@ -30,11 +30,12 @@ def refused(fn, *args, match: str = "casspec") -> None:
 def test_rms_norm_checks_its_weight_and_rows():
     x, w = torch.randn(3, 64), torch.randn(64)
     assert ops.rms_norm(x, w, 1e-5).shape == (3, 64)
-    refused(ops.rms_norm, x, torch.randn(16), 1e-5, match="weight of 64 floats")  # read past it before
+    refused(ops.rms_norm, x, torch.randn(16), 1e-5, match="weight of 64 values")  # read past it before
     refused(ops.rms_norm, x, w.double(), 1e-5, match="Float expected")
     refused(ops.rms_norm, x, w.view(8, 8), 1e-5, match="1 dims expected")
     refused(ops.rms_norm, x[None], w, 1e-5, match="2 dims expected")
-    refused(ops.rms_norm, x.bfloat16(), w, 1e-5, match="Float expected")
+    refused(ops.rms_norm, x.bfloat16(), w, 1e-5, match="BFloat16 expected")  # (the weight in x's dtype)
+    refused(ops.rms_norm, x.double(), w, 1e-5, match="float32 or bfloat16 expected")
     refused(ops.rms_norm, x.t(), torch.randn(3), 1e-5, match="unit stride")
     refused(ops.rms_norm, torch.empty(3, 64, device=META), w, 1e-5, match="CPU tensor expected")
     refused(ops.rms_norm, x, torch.empty(64, device=META), 1e-5, match="CPU tensor expected")
@@ -45,8 +46,9 @@ def test_add_rms_norm_checks_both_inputs_and_the_weight():
     x, d, w = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
     assert ops.add_rms_norm(x, d, w, 1e-5)[1].shape == (3, 64)
     refused(ops.add_rms_norm, x, torch.randn(2, 64), w, 1e-5, match="of one shape")
-    refused(ops.add_rms_norm, x, d, torch.randn(63), 1e-5, match="weight of 64 floats")
-    refused(ops.add_rms_norm, x, d.int(), w, 1e-5, match="Float expected")
+    refused(ops.add_rms_norm, x, d, torch.randn(63), 1e-5, match="weight of 64 values")
+    refused(ops.add_rms_norm, x, d.int(), w, 1e-5, match="float32 or bfloat16 expected")
+    refused(ops.add_rms_norm, x, d.bfloat16(), w, 1e-5, match="of one shape and dtype")
     refused(ops.add_rms_norm, x, torch.empty(3, 64, device=META), w, 1e-5, match="CPU tensor expected")
 
 

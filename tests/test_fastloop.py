@@ -126,11 +126,29 @@ def assert_one_region(fast, slow, plan: Plan, rows: int) -> None:
 @pytest.mark.parametrize("name", ["int4", "int8", "target"])
 def test_own_kernels_run_in_one_parallel_region_with_the_same_bits(arch, name):
     """A float32 plan whose every product is casspec's own (block levels; a dense target on casspec's kernel) runs
-    its one-token steps in one parallel region (csrc/step.cpp; its forwards of more rows attend by SDPA, in the
-    ATen loop) with the Python loop's bits, on one thread and on two (the work split otherwise); Qwen2's biases."""
+    its one-token steps and trees (up to 16 rows) in one parallel region (csrc/step.cpp; a prompt of more rows
+    attends by SDPA, in the ATen loop) with the Python loop's bits, on one thread and on two (the work split
+    otherwise); Qwen2's biases."""
     eng = tiny_engine(arch, seed=4, kernels="casspec")
     plan = TARGET if name == "target" else eng.levels.get(name).plan
     assert_one_region(*both(eng.model), plan, 40)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_bfloat16_target_on_casspecs_kernel_runs_in_one_parallel_region(invariant, fused):
+    """A bfloat16 target whose products are dense on casspec's kernel runs its steps and trees (batch-invariant: every
+    forward) in one region with the Python loop's bits (each op's result rounded to bfloat16 where the loop's bfloat16
+    tensors round it; its KV cache bfloat16), on one thread and two. Qwen2's biases (a product rounded before its
+    bias is added) keep the ATen loop, with the same bits."""
+    eng = tiny_engine("llama", seed=4, kernels="casspec", dtype=torch.bfloat16, batch_invariant=invariant,
+                      fuse_projections=fused)
+    assert eng.model.new_cache(8).k.dtype == torch.bfloat16
+    assert_one_region(*both(eng.model), TARGET, 40)
+    qwen = tiny_engine("qwen2", seed=4, kernels="casspec", dtype=torch.bfloat16, batch_invariant=invariant)
+    fast, slow = both(qwen.model)
+    assert not fast.stacks.get(fast, TARGET).one_region
+    assert_same(fast, slow, TARGET)
 
 
 @pytest.mark.parametrize("dim,heads,kv_heads", [(40, 5, 1), (72, 3, 3), (48, 2, 1)])

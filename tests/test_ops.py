@@ -1,6 +1,7 @@
-"""casspec's C++ ops for a float32 forward's small steps (dsia/csrc/ops.cpp, `cxx_pointwise`): the same math as the
-eager steps (RoPE bit for bit), an attention whose every row is the same bits whatever the rows beside it and
-wherever its keys lie in the cache, and the choice of attention per forward (`Transformer._attention_of`)."""
+"""casspec's C++ ops for a float32 or bfloat16 forward's small steps (dsia/csrc/ops.cpp, `cxx_pointwise`): the same
+math as the eager steps (RoPE bit for bit; bfloat16 rounded where the eager ops round), an attention whose every row
+is the same bits whatever the rows beside it and wherever its keys lie in the cache, and the choice of attention per
+forward (`Transformer._attention_of`)."""
 import copy
 
 import pytest
@@ -38,6 +39,40 @@ def test_rms_norm_and_the_residual_add_are_the_eager_math(D):
     assert torch.equal(total, x + delta)
     assert torch.allclose(normed, EAGER.rms_norm(x + delta, w, 1e-6), rtol=1e-5, atol=1e-6)
     assert torch.equal(ops.rms_norm(x[2:3], w, 1e-5)[0], ops.rms_norm(x, w, 1e-5)[2])  # a row alone: the same bits
+
+
+@pytest.mark.parametrize("D", [8, 24, 64, 576, 100])
+def test_bfloat16_norms_round_where_the_eager_ops_round(D):
+    """A bfloat16 op computes in float32 and rounds each result where the eager bfloat16 ops round it: the residual
+    add exactly theirs, the norm (the normalized row rounded, then scaled and rounded) within one bfloat16 step of
+    theirs (only its mean of squares is summed in another order), a row alone the same bits."""
+    torch.manual_seed(D)
+    x, delta, w = (torch.randn(5, D).bfloat16(), torch.randn(5, D).bfloat16(), torch.randn(D).bfloat16())
+    ops = cxx_pointwise()
+    total, normed = ops.add_rms_norm(x, delta, w, 1e-6)
+    assert total.dtype == normed.dtype == torch.bfloat16
+    assert torch.equal(total, x + delta)
+    ref = EAGER.rms_norm(x + delta, w, 1e-6)
+    step = (ref.float().abs() * 2 ** -7).clamp_min(1e-30)  # a bfloat16 step at each value, and one more at ties
+    assert ((normed.float() - ref.float()).abs() <= 2 * step).all()
+    assert (normed == ref).float().mean() > 0.95
+    assert torch.equal(ops.rms_norm(x[2:3], w, 1e-5)[0], ops.rms_norm(x, w, 1e-5)[2])
+    # the same bits as the float32 op's steps on the widened values, rounded where bfloat16 rounds
+    xf = (x + delta).float()
+    r = 1 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(normed.float(), (w.float() * (xf * r).bfloat16().float()).bfloat16().float(),
+                          rtol=2 ** -7, atol=0)
+
+
+def test_bfloat16_silu_mul_rounds_silu_then_the_product():
+    torch.manual_seed(1)
+    gate, up = torch.randn(3, 1000).bfloat16() * 4, torch.randn(3, 1000).bfloat16()
+    out = cxx_pointwise().silu_mul(gate, up)
+    assert out.dtype == torch.bfloat16
+    ref = F.silu(gate) * up  # (eager: silu rounded to bfloat16, then the product)
+    assert (out == ref).float().mean() > 0.99  # (silu's exp differs from torch's in the last float32 bits)
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+    assert torch.equal(cxx_pointwise().silu_mul(gate[1:2], up[1:2])[0], out[1])
 
 
 def test_rope_is_the_eager_bits_and_other_dtypes_run_eagerly():
@@ -95,12 +130,12 @@ def test_a_tree_rows_keys_moved_to_the_committed_slots_give_the_same_bits():
 
 
 def test_each_forward_picks_its_attention():
-    """A dense target: its own over one row, SDPA over more; a batch-invariant target: its own over every forward,
-    a prompt's too; without the ops: SDPA, and block by block for a batch-invariant target."""
+    """A dense target: its own over up to 16 rows (a step, a tree), SDPA over more; a batch-invariant target: its own
+    over every forward, a prompt's too; without the ops: SDPA, and block by block for a batch-invariant target."""
     eng = tiny_engine("llama", seed=0)
     m = eng.model
     assert m.pointwise.attention is not None  # (the engine runs the C++ loop and its ops)
-    assert [m._attention_of(T, TARGET) for T in (1, 4)] == ["own", "sdpa"]
+    assert [m._attention_of(T, TARGET) for T in (1, 4, 16, 17)] == ["own", "own", "own", "sdpa"]
     inv = copy.copy(m)  # (the mode takes float32 for a native target only: its flag alone, here)
     inv.batch_invariant = True
     assert [inv._attention_of(T, TARGET) for T in (1, 4, 300)] == ["own"] * 3
@@ -109,7 +144,7 @@ def test_each_forward_picks_its_attention():
     eager.batch_invariant = True
     assert eager._attention_of(1, TARGET) == "rows" and eager._attention_of(300, TARGET) == "rows"
     bf = tiny_engine("llama", seed=0, dtype=torch.bfloat16).model
-    assert [bf._attention_of(T, TARGET) for T in (1, 4)] == ["own", "sdpa"]  # (its attention takes bfloat16 too)
+    assert [bf._attention_of(T, TARGET) for T in (1, 16, 17)] == ["own", "own", "sdpa"]  # (it takes bfloat16 too)
 
 
 def test_a_forward_with_the_ops_is_the_eager_forwards_math():

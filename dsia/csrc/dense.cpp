@@ -38,6 +38,7 @@ struct Job {
   const Wt* bias;  // [N] or nullptr
   Wt* y;  // [T, N], rows ldy apart
   int64_t T, K, N, ldy;
+  float* yf = nullptr;  // or here, in place of y (bfloat16 panels, no bias): each sum rounded to bfloat16, as float32
 };
 
 // a value as float32 (bfloat16's bits widened exactly), and a float32 sum in the output's type (bfloat16: rounded to
@@ -188,6 +189,11 @@ void raw::dense_range(const float* x, const float* panels, const float* bias, fl
                       int64_t K, int64_t lo, int64_t hi, Isa isa) {
   // (outputs past hi are not written: the job's N is hi, and half lo / 32 starts at output lo)
   range_on(Job<float>{x, panels, bias, y, T, K, hi, ldy}, lo / (kGroup / 2), halves_of(hi), isa);
+}
+
+void raw::dense_range(const float* x, const uint16_t* panels, float* y, int64_t ldy, int64_t T, int64_t K, int64_t lo,
+                      int64_t hi, Isa isa) {
+  range_on(Job<uint16_t>{x, panels, nullptr, nullptr, T, K, hi, ldy, y}, lo / (kGroup / 2), halves_of(hi), isa);
 }
 
 // w [N, K], float32 or bfloat16 -> its panels [ceil(N / 64), K, 64] in its dtype, zeros past N

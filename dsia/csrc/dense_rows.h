@@ -59,15 +59,22 @@ template <int O, int R, class Wt>
   for (int o = 0; o < O; ++o) {
     const int64_t n0 = g * kGroup + (v0 + o) * kLanes, count = std::min(kLanes, j.N - n0);
     for (int r = 0; r < R; ++r) {
-      Wt* y = j.y + (t0 + r) * j.ldy + n0;
       if constexpr (std::is_same_v<Wt, float>) {
         if (count == kLanes && j.bias == nullptr) {  // (the common case: 16 float32 sums stored as they are)
-          acc[o][r].store(y);
+          acc[o][r].store(j.y + (t0 + r) * j.ldy + n0);
           continue;
         }
       }
       float sums[kLanes];
       acc[o][r].store(sums);
+      if (j.yf != nullptr) {  // (bfloat16 panels, no bias)
+        float* yf = j.yf + (t0 + r) * j.ldy + n0;
+        for (int64_t l = 0; l < count; ++l) {
+          yf[l] = widen(narrow<Wt>(sums[l]));
+        }
+        continue;
+      }
+      Wt* y = j.y + (t0 + r) * j.ldy + n0;
       for (int64_t l = 0; l < count; ++l) {
         y[l] = narrow<Wt>(j.bias != nullptr ? sums[l] + widen(j.bias[n0 + l]) : sums[l]);
       }

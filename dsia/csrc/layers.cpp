@@ -188,7 +188,8 @@ struct Stack : torch::CustomClassHolder {
                                       this->biases, this->group_sizes, n_heads, n_kv_heads, eps);
   }
 
-  // whether a float32 call with casspec's ops and attention (and its own dense kernel) runs in one parallel region
+  // whether a call with casspec's ops and attention (and its own dense kernel) in the Stack's dtype runs in one
+  // parallel region
   bool one_region() const { return own_step != nullptr; }
 
   // slot j's product of x [T, in] -> [T, out] in x's dtype, as Transformer._linear / _fused run it (a fused
@@ -223,7 +224,7 @@ struct Stack : torch::CustomClassHolder {
   // [start, start + T), read over [0, end). cos, sin [T, hd] (sin signed: Transformer.sin). mask [T, end] bool or
   // none (is_causal: causal prefill). dense_kernel: kBlas or kMkl for this call's dense products. rows_bias
   // given: the batch-invariant attention over each row's keys (RowKeys: rows_shared, rows_bias, rows_tail,
-  // rows_end) instead of SDPA. ops: a float32 call's norms and RoPE by casspec's own ops (ops.cpp), as the model's
+  // rows_end) instead of SDPA. ops: a call's norms and RoPE by casspec's own ops (ops.cpp), as the model's
   // Pointwise runs them in the Python loop; own_attention: its attention too (casspec::attention over `mask`, in
   // place of SDPA and of the rows' attention). Returns (x, delta): the residual stream and the last sublayer's
   // output, not yet added (the caller's final norm adds them).
@@ -252,7 +253,8 @@ struct Stack : torch::CustomClassHolder {
     TORCH_CHECK(!mask || (mask->dim() == 2 && mask->size(0) == T && mask->size(1) == end), "casspec Stack: mask [",
                 T, ", ", end, "] expected");
     const bool gqa = n_heads != n_kv_heads;
-    const bool own = ops && x.scalar_type() == at::kFloat;  // casspec's ops run this call's norms and RoPE
+    // casspec's ops run this call's norms and RoPE (float32 or bfloat16)
+    const bool own = ops && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
     TORCH_CHECK(!own_attention || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                 "casspec Stack: its own attention takes float32 or bfloat16");
     // (x + delta, its norm) as the Python loop's Pointwise.add_rms_norm, or the first layer's norm of x
@@ -270,7 +272,7 @@ struct Stack : torch::CustomClassHolder {
       return own ? casspec::rope(t, c, s) : rope(t, c, s);
     };
     if (own_step && own && own_attention && !rows_bias && (!own_step->dense() || dense_kernel == kOwn) &&
-        k_all.scalar_type() == at::kFloat && k_all.is_contiguous() && v_all.is_contiguous()) {
+        x.scalar_type() == own_step->dtype() && k_all.is_contiguous() && v_all.is_contiguous()) {
       return own_step->run(x, k_all, v_all, cos, sin, start, end, mask);  // (the same bits in one parallel region)
     }
     at::Tensor delta;  // the last sublayer's output, added to x together with the next norm

@@ -69,6 +69,23 @@ typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
   }
 }
 
+// each lane rounded to bfloat16's precision (to nearest, ties to even, as torch rounds; NaN: torch's quiet NaN) and
+// kept as a float32: the value a bfloat16 op's result holds, exactly (integer operations: the same in every path)
+[[gnu::always_inline]] inline v16 to_bf16(v16 v) {
+  const u32x16 bits = reinterpret_cast<const u32x16&>(v);
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const i16 nan = v != v;
+  const u32x16 out = nan ? u32x16{} + 0x7FC00000u : rounded;
+  return reinterpret_cast<const v16&>(out);
+}
+inline float to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = x != x ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 // the lanes' sum, folded in halves: lane i + lane i + 8, then + 4, + 2, + 1
 [[gnu::always_inline]] inline float fold(v16 v) {
   v = v + __builtin_shuffle(v, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -100,29 +117,38 @@ typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
 }
 
 // silu(g) * u in every lane: g * sigmoid(g) * u, sigmoid from e^-|g| (never overflows: 1 / (1 + e) at g >= 0,
-// e / (1 + e) below)
+// e / (1 + e) below); Bf16: silu(g) rounded to bfloat16, then its product (as bfloat16 ops silu, then *)
+template <bool Bf16>
 [[gnu::always_inline]] inline v16 vsilu_mul(v16 g, v16 u) {
   const i16 negative = g < 0.0f;
   const v16 e = vexp(negative ? g : -g);
   const v16 sigmoid = (negative ? e : v16{} + 1.0f) / (e + 1.0f);
+  if constexpr (Bf16) {
+    return to_bf16(to_bf16(g * sigmoid) * u);
+  }
   return g * sigmoid * u;
 }
 
 // silu(gate) * up over n elements, 16 at a time (the tail's lanes past n computed over zeros and not stored)
+template <bool Bf16>
 [[gnu::always_inline]] inline void silu_mul_impl(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t j = 0; j < n; j += kLanes) {
     const int64_t w = std::min(kLanes, n - j);
-    store(out + j, vsilu_mul(load(gate + j, w), load(up + j, w)), w);
+    store(out + j, vsilu_mul<Bf16>(load(gate + j, w), load(up + j, w)), w);
   }
 }
+template <bool Bf16>
 __attribute__((target("avx512f"))) void silu_mul_avx512(const float* g, const float* u, float* o, int64_t n) {
-  silu_mul_impl(g, u, o, n);
+  silu_mul_impl<Bf16>(g, u, o, n);
 }
+template <bool Bf16>
 __attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* u, float* o, int64_t n) {
-  silu_mul_impl(g, u, o, n);
+  silu_mul_impl<Bf16>(g, u, o, n);
 }
 
-// one row: out = w * (x * 1 / sqrt(mean(x^2) + eps)), HF's order of the two products
+// one row: out = w * (x * 1 / sqrt(mean(x^2) + eps)), HF's order of the two products; Bf16: each product rounded to
+// bfloat16 (HF's rounding: the normalized x cast to the weight's dtype, then scaled in it)
+template <bool Bf16>
 [[gnu::always_inline]] inline void norm_row_impl(const float* x, const float* w, float* out, int64_t D, double eps) {
   v16 acc = {};
   for (int64_t j = 0; j < D; j += kLanes) {
@@ -132,27 +158,34 @@ __attribute__((target("avx2"))) void silu_mul_avx2(const float* g, const float* 
   const float r = 1.0f / std::sqrt(fold(acc) / static_cast<float>(D) + static_cast<float>(eps));
   for (int64_t j = 0; j < D; j += kLanes) {
     const int64_t n = std::min(kLanes, D - j);
-    store(out + j, load(w + j, n) * (load(x + j, n) * r), n);
+    if constexpr (Bf16) {
+      store(out + j, to_bf16(load(w + j, n) * to_bf16(load(x + j, n) * r)), n);
+    } else {
+      store(out + j, load(w + j, n) * (load(x + j, n) * r), n);
+    }
   }
 }
 
+template <bool Bf16>
 __attribute__((target("avx512f"))) void norm_row_avx512(const float* x, const float* w, float* out, int64_t D,
                                                         double eps) {
-  norm_row_impl(x, w, out, D, eps);
+  norm_row_impl<Bf16>(x, w, out, D, eps);
 }
+template <bool Bf16>
 __attribute__((target("avx2"))) void norm_row_avx2(const float* x, const float* w, float* out, int64_t D, double eps) {
-  norm_row_impl(x, w, out, D, eps);
+  norm_row_impl<Bf16>(x, w, out, D, eps);
 }
 
 // the row's norm by the widest path (the same bits in every one)
+template <bool Bf16>
 void norm_row(const float* x, const float* w, float* out, int64_t D, double eps) {
   static const Isa isa = machine_isa();
   if (isa == kAvx512) {
-    norm_row_avx512(x, w, out, D, eps);
+    norm_row_avx512<Bf16>(x, w, out, D, eps);
   } else if (isa == kAvx2) {
-    norm_row_avx2(x, w, out, D, eps);
+    norm_row_avx2<Bf16>(x, w, out, D, eps);
   } else {
-    norm_row_impl(x, w, out, D, eps);
+    norm_row_impl<Bf16>(x, w, out, D, eps);
   }
 }
 
@@ -369,17 +402,58 @@ void attend(CASSPEC_ATTEND_ARGS) {
 #undef CASSPEC_ATTEND_ARGS
 #undef CASSPEC_ATTEND_CALL
 
-// x [T, D]: float32 rows on the CPU, each read with unit stride
+// x [T, D]: float32 or bfloat16 rows on the CPU, each read with unit stride
 void check_rows(const at::Tensor& x, const char* what) {
-  check_tensor(x, what, at::kFloat, 2);
+  TORCH_CHECK(x.defined() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "casspec ", what,
+              ": float32 or bfloat16 expected");
+  check_tensor(x, what, x.scalar_type(), 2);
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "casspec ", what, ": rows [T, D] with unit stride");
 }
 
-// weight [D] of a norm over rows of D, and a finite eps >= 0
-void check_norm(const at::Tensor& weight, int64_t D, double eps, const char* what) {
-  check_tensor(weight, what, at::kFloat, 1);
-  TORCH_CHECK(weight.size(0) == D, "casspec ", what, ": weight of ", D, " floats expected, got ", weight.size(0));
+// weight [D] of a norm over rows of D in `dtype`, and a finite eps >= 0
+void check_norm(const at::Tensor& weight, int64_t D, double eps, at::ScalarType dtype, const char* what) {
+  check_tensor(weight, what, dtype, 1);
+  TORCH_CHECK(weight.size(0) == D, "casspec ", what, ": weight of ", D, " values expected, got ", weight.size(0));
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "casspec ", what, ": eps must be finite and >= 0, got ", eps);
+}
+
+// A bfloat16 op computes in float32 on the values widened (exactly) and rounds each result where the bfloat16 ATen
+// op rounds it: `Rows` reads a [T, D] row (unit stride) as floats, its own or widened into a buffer of its own, and
+// writes one (bfloat16: narrowed, exactly, the values being rounded already).
+struct Rows {
+  const at::Tensor& t;
+  bool bf16;
+  std::vector<float> buf;
+  Rows(const at::Tensor& tensor, int64_t D) : t(tensor), bf16(tensor.scalar_type() == at::kBFloat16) {
+    if (bf16) {
+      buf.resize(D);
+    }
+  }
+  const float* read(int64_t at, int64_t D) {  // (at: the row's first element)
+    if (!bf16) {
+      return t.data_ptr<float>() + at;
+    }
+    const at::BFloat16* p = t.data_ptr<at::BFloat16>() + at;
+    for (int64_t j = 0; j < D; ++j) {
+      buf[j] = static_cast<float>(p[j]);
+    }
+    return buf.data();
+  }
+  float* target(int64_t at) { return bf16 ? buf.data() : t.data_ptr<float>() + at; }
+  void written(int64_t at, int64_t D) {  // after target(at) was filled
+    if (bf16) {
+      at::BFloat16* p = t.data_ptr<at::BFloat16>() + at;
+      for (int64_t j = 0; j < D; ++j) {
+        p[j] = at::BFloat16(buf[j]);
+      }
+    }
+  }
+};
+
+// a norm's weight as float32 (a bfloat16 one widened, exactly)
+std::vector<float> widened(const at::Tensor& w) {
+  const at::Tensor f = w.to(at::kFloat).contiguous();
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
 }
 
 }  // namespace
@@ -407,31 +481,56 @@ Isa machine_isa() {
 
 namespace raw {
 
-void norm_row(const float* x, const float* w, float* out, int64_t D, double eps) {
-  casspec::norm_row(x, w, out, D, eps);
+void norm_row(const float* x, const float* w, float* out, int64_t D, double eps, bool bf16) {
+  bf16 ? casspec::norm_row<true>(x, w, out, D, eps) : casspec::norm_row<false>(x, w, out, D, eps);
 }
 
-void rope_row(const float* x, const float* cos, const float* sin, float* out, int64_t hd) {
+void rope_row(const float* x, const float* cos, const float* sin, float* out, int64_t hd, bool bf16) {
   const int64_t half = hd / 2;
   for (int64_t j = 0; j < hd; ++j) {  // roll(x, hd / 2)[j] = x[(j + hd / 2) mod hd]; sin's first half negated
-    out[j] = x[j] * cos[j] + x[j < half ? j + half : j - half] * sin[j];
+    const float a = x[j] * cos[j], b = x[j < half ? j + half : j - half] * sin[j];
+    out[j] = bf16 ? to_bf16(to_bf16(a) + to_bf16(b)) : a + b;
   }
 }
 
-void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+template <bool Bf16>
+void silu_mul_on(const float* gate, const float* up, float* out, int64_t n) {
   static const Isa isa = machine_isa();
   if (isa == kAvx512) {
-    silu_mul_avx512(gate, up, out, n);
+    silu_mul_avx512<Bf16>(gate, up, out, n);
   } else if (isa == kAvx2) {
-    silu_mul_avx2(gate, up, out, n);
+    silu_mul_avx2<Bf16>(gate, up, out, n);
   } else {
-    silu_mul_impl(gate, up, out, n);
+    silu_mul_impl<Bf16>(gate, up, out, n);
+  }
+}
+
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n, bool bf16) {
+  bf16 ? silu_mul_on<true>(gate, up, out, n) : silu_mul_on<false>(gate, up, out, n);
+}
+
+void add_rows(float* x, const float* delta, int64_t n, bool bf16) {
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = bf16 ? to_bf16(x[j] + delta[j]) : x[j] + delta[j];
+  }
+}
+
+void round_bf16(float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = to_bf16(x[j]);
   }
 }
 
 void attend(const float* q, int64_t q_row, const float* keys, const float* values, int64_t kv_row, const bool* mask,
             int64_t T, int64_t end, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float* out,
             int64_t out_row) {
+  casspec::attend(q, q_row, hd, keys, kv_row, values, kv_row, Visible{mask, T, end}, r0, r1, G, hd, scale, out,
+                  out_row);
+}
+
+void attend(const float* q, int64_t q_row, const uint16_t* keys, const uint16_t* values, int64_t kv_row,
+            const bool* mask, int64_t T, int64_t end, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale,
+            float* out, int64_t out_row) {
   casspec::attend(q, q_row, hd, keys, kv_row, values, kv_row, Visible{mask, T, end}, r0, r1, G, hd, scale, out,
                   out_row);
 }
@@ -447,12 +546,15 @@ int64_t rows_a_task(int64_t width) { return std::max<int64_t>(1, kPointwiseTask 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm x");
   const int64_t T = x.size(0), D = x.size(1);
-  check_norm(weight, D, eps, "rms_norm weight");
-  const at::Tensor w = weight.contiguous();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  check_norm(weight, D, eps, x.scalar_type(), "rms_norm weight (x's dtype)");
+  const std::vector<float> w = widened(weight);
   at::Tensor out = x.new_empty({T, D});
   at::parallel_for(0, T, rows_a_task(D), [&](int64_t a, int64_t b) {
+    Rows in(x, D), to(out, D);
     for (int64_t t = a; t < b; ++t) {
-      norm_row(x.data_ptr<float>() + t * x.stride(0), w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
+      raw::norm_row(in.read(t * x.stride(0), D), w.data(), to.target(t * D), D, eps, bf16);
+      to.written(t * D, D);
     }
   });
   return out;
@@ -462,46 +564,51 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 double eps) {
   check_rows(x, "add_rms_norm x");
   check_rows(delta, "add_rms_norm delta");
-  TORCH_CHECK(x.sizes() == delta.sizes(), "casspec add_rms_norm: x ", x.sizes(), " and delta ", delta.sizes(),
-              " must be of one shape");
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(), "casspec add_rms_norm: x ",
+              x.sizes(), " and delta ", delta.sizes(), " must be of one shape and dtype");
   const int64_t T = x.size(0), D = x.size(1);
-  check_norm(weight, D, eps, "add_rms_norm weight");
-  const at::Tensor w = weight.contiguous();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  check_norm(weight, D, eps, x.scalar_type(), "add_rms_norm weight (x's dtype)");
+  const std::vector<float> w = widened(weight);
   at::Tensor sum = x.new_empty({T, D});
   at::Tensor out = x.new_empty({T, D});
   at::parallel_for(0, T, rows_a_task(D), [&](int64_t t0, int64_t t1) {
+    Rows a(x, D), b(delta, D), s(sum, D), to(out, D);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* a = x.data_ptr<float>() + t * x.stride(0);
-      const float* b = delta.data_ptr<float>() + t * delta.stride(0);
-      float* s = sum.data_ptr<float>() + t * D;
-      for (int64_t j = 0; j < D; ++j) {
-        s[j] = a[j] + b[j];
-      }
-      norm_row(s, w.data_ptr<float>(), out.data_ptr<float>() + t * D, D, eps);
+      float* st = s.target(t * D);
+      std::memcpy(st, a.read(t * x.stride(0), D), sizeof(float) * D);
+      raw::add_rows(st, b.read(t * delta.stride(0), D), D, bf16);
+      raw::norm_row(st, w.data(), to.target(t * D), D, eps, bf16);
+      s.written(t * D, D);
+      to.written(t * D, D);
     }
   });
   return {sum, out};
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_tensor(x, "rope x [heads, T, hd]", at::kFloat, 3);
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "casspec rope: float32 or bfloat16 x expected, got ",
+              c10::toString(dtype));
+  check_tensor(x, "rope x [heads, T, hd]", dtype, 3);
   const int64_t H = x.size(0), T = x.size(1), hd = x.size(2);
   TORCH_CHECK(x.stride(2) == 1 || hd <= 1, "casspec rope: x [heads, T, hd] with unit stride");
   TORCH_CHECK(hd % 2 == 0, "casspec rope: an even head size expected, got ", hd);
-  check_tensor(cos, "rope cos [T, hd]", at::kFloat, 2);
-  check_tensor(sin, "rope sin [T, hd]", at::kFloat, 2);
+  check_tensor(cos, "rope cos [T, hd] (x's dtype)", dtype, 2);
+  check_tensor(sin, "rope sin [T, hd] (x's dtype)", dtype, 2);
   TORCH_CHECK(cos.size(0) == T && cos.size(1) == hd && sin.sizes() == cos.sizes(), "casspec rope: cos and sin [", T,
               ", ", hd, "] expected (x's positions and head size), got ", cos.sizes(), " and ", sin.sizes());
-  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();  // (widened: exact)
   at::Tensor out = x.new_empty({H, T, hd});
+  const bool bf16 = dtype == at::kBFloat16;
   at::parallel_for(0, T, rows_a_task(H * hd), [&](int64_t t0, int64_t t1) {
+    Rows in(x, hd), to(out, hd);
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t t = t0; t < t1; ++t) {
-        const float* in = x.data_ptr<float>() + h * x.stride(0) + t * x.stride(1);
-        const float* ct = c.data_ptr<float>() + t * hd;
-        const float* st = s.data_ptr<float>() + t * hd;
-        float* o = out.data_ptr<float>() + (h * T + t) * hd;
-        raw::rope_row(in, ct, st, o, hd);
+        const int64_t o = (h * T + t) * hd;
+        raw::rope_row(in.read(h * x.stride(0) + t * x.stride(1), hd), c.data_ptr<float>() + t * hd,
+                      s.data_ptr<float>() + t * hd, to.target(o), hd, bf16);
+        to.written(o, hd);
       }
     }
   });
@@ -511,14 +618,17 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_rows(gate, "silu_mul gate");
   check_rows(up, "silu_mul up");
-  TORCH_CHECK(gate.sizes() == up.sizes(), "casspec silu_mul: gate ", gate.sizes(), " and up ", up.sizes(),
-              " must be of one shape");
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(), "casspec silu_mul: gate ",
+              gate.sizes(), " and up ", up.sizes(), " must be of one shape and dtype");
   const int64_t T = gate.size(0), I = gate.size(1);
+  const bool bf16 = gate.scalar_type() == at::kBFloat16;
   at::Tensor out = gate.new_empty({T, I});
   at::parallel_for(0, T, rows_a_task(I), [&](int64_t a, int64_t b) {
+    Rows g(gate, I), u(up, I), to(out, I);
     for (int64_t t = a; t < b; ++t) {
-      raw::silu_mul_row(gate.data_ptr<float>() + t * gate.stride(0), up.data_ptr<float>() + t * up.stride(0),
-                        out.data_ptr<float>() + t * I, I);
+      const float* gt = g.read(t * gate.stride(0), I);
+      raw::silu_mul_row(gt, u.read(t * up.stride(0), I), to.target(t * I), I, bf16);
+      to.written(t * I, I);
     }
   });
   return out;

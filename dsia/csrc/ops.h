@@ -32,7 +32,9 @@ inline void check_tensor(const at::Tensor& t, const char* what, at::ScalarType d
   TORCH_CHECK(t.dim() == dims, "casspec ", what, ": ", dims, " dims expected, got ", t.dim());
 }
 
-// RMSNorm of x [T, D] (float32) with weight [D]: [T, D]
+// The row-wise ops take float32 or bfloat16 (weights and tables in x's dtype); a bfloat16 op computes in float32 and
+// rounds each result to bfloat16 where the bfloat16 ATen ops of dsia/model.py round it.
+// RMSNorm of x [T, D] with weight [D]: [T, D]
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // (x + delta, its RMSNorm), [T, D] each
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
@@ -69,23 +71,36 @@ at::Tensor visible_mask(const std::optional<at::Tensor>& mask, int64_t T, int64_
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
 // The kernels' loops over raw rows, for the one-region step (step.cpp): each computes its part of the same result
-// as the op above it, the same bits, and checks nothing (the caller checked every size they index).
+// as the op above it, the same bits, and checks nothing (the caller checked every size they index). bf16: the
+// values are bfloat16's (held as float32) and each result is rounded as the op rounds a bfloat16 one.
 namespace raw {
 // one row: out = w * (x * 1 / sqrt(mean(x^2) + eps)), as rms_norm
-void norm_row(const float* x, const float* w, float* out, int64_t D, double eps);
+void norm_row(const float* x, const float* w, float* out, int64_t D, double eps, bool bf16 = false);
 // one row and head: out[j] = x[j] cos[j] + x[(j + hd/2) mod hd] sin[j] (sin signed), as rope
-void rope_row(const float* x, const float* cos, const float* sin, float* out, int64_t hd);
+void rope_row(const float* x, const float* cos, const float* sin, float* out, int64_t hd, bool bf16 = false);
 // n elements: silu(gate) * up, as silu_mul
-void silu_mul_row(const float* gate, const float* up, float* out, int64_t n);
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n, bool bf16 = false);
+// n elements: x += delta, as add_rms_norm's sum
+void add_rows(float* x, const float* delta, int64_t n, bool bf16);
+// n values rounded to bfloat16 in place (to nearest even, as torch casts), kept as float32
+void round_bf16(float* x, int64_t n);
 // query rows [r0, r1) of G heads (q + r * q_row + h * hd) attending over float32 keys, values (slot j at keys + j *
 // kv_row) at slots [0, end) as mask [T, end] (or causal: row t at slot end - T + t) says: out + r * out_row + h * hd
 void attend(const float* q, int64_t q_row, const float* keys, const float* values, int64_t kv_row, const bool* mask,
             int64_t T, int64_t end, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale, float* out,
             int64_t out_row);
+// the same over bfloat16 keys and values (their bits; widened exactly)
+void attend(const float* q, int64_t q_row, const uint16_t* keys, const uint16_t* values, int64_t kv_row,
+            const bool* mask, int64_t T, int64_t end, int64_t r0, int64_t r1, int64_t G, int64_t hd, float scale,
+            float* out, int64_t out_row);
 // float32 x [T, K] times the panels of w [N, K] (dense_pack) (+ bias [N]) into y (row stride ldy), outputs [lo,
 // hi) (lo a multiple of 32), as dense_panels
 void dense_range(const float* x, const float* panels, const float* bias, float* y, int64_t ldy, int64_t T, int64_t K,
                  int64_t lo, int64_t hi, Isa isa);
+// the same with bfloat16 panels (their bits) and no bias: each output's float32 sum rounded to bfloat16, as
+// dense_panels rounds a bfloat16 one, and written as a float32
+void dense_range(const float* x, const uint16_t* panels, float* y, int64_t ldy, int64_t T, int64_t K, int64_t lo,
+                 int64_t hi, Isa isa);
 
 // GGUF-style blocks as stored (blockq.cpp): codes [tiles, blocks, 4 or 8, 16, 4], scales d (and m) [tiles, blocks,
 // 16] as float16 bits, for N outputs of K = 32 blocks inputs

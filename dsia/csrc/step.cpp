@@ -1,11 +1,12 @@
-// A float32 forward's decoder layers in one parallel region, on casspec's own kernels only (step.h). Called layer by
+// A float32 or bfloat16 forward's decoder layers in one parallel region, on casspec's own kernels only (step.h). Called layer by
 // layer from ATen, a one-token step is some 600 small operations, each allocating its output and each product
 // waking the other threads and waiting for them: on a 2-core machine about a third of a native step. Here the
 // machine's threads enter once; each takes its share of every phase of a layer (the rows of a norm, the tiles of a
 // product, the heads of RoPE and of the attention), and they meet at a barrier between phases. Each output is
 // computed by the same function of the same operands as in the ATen loop (Stack::run), so the same bits, however
 // the work is split between threads; the 8-bit activations of a block product are made by the phase that writes
-// its input, block by block, as block_linear makes them.
+// its input, block by block, as block_linear makes them. A bfloat16 call keeps its activations as float32 buffers of
+// bfloat16 values: each op's result rounded where the op (and the ATen loop's bfloat16 tensors) rounds it.
 #include "step.h"
 
 #include <ATen/Parallel.h>
@@ -38,13 +39,14 @@ namespace {
 const char* kWhat = "casspec Stack (one-region step)";
 
 // slot j as a product of `offset` in its group's buffer with `in` inputs, or nullopt where it is neither GGUF
-// blocks (codes, scales as block_linear reads them) nor a float32 weight [N, in]
+// blocks (codes, scales as block_linear reads them; float32 calls) nor a dense weight [N, in] in `dtype`
 std::optional<StepProduct> product_of(int64_t kind, const at::Tensor& w, const at::Tensor& scales,
-                                      const at::Tensor& panels, int64_t outputs, int64_t in, int64_t offset) {
+                                      const at::Tensor& panels, int64_t outputs, int64_t in, int64_t offset,
+                                      at::ScalarType dtype) {
   StepProduct p{};
   p.K = in;
   p.offset = offset;
-  if (kind == kBlocks) {
+  if (kind == kBlocks && dtype == at::kFloat) {
     TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 5 && w.is_contiguous() &&
                     (w.size(2) == 4 || w.size(2) == 8) && w.size(3) == 16 && w.size(4) == 4,
                 kWhat, ": block codes [tiles, blocks, 4 or 8, 16, 4] contiguous expected, got ", w.sizes());
@@ -63,10 +65,14 @@ std::optional<StepProduct> product_of(int64_t kind, const at::Tensor& w, const a
     p.N = outputs;
     return p;
   }
-  if (kind == kDense && w.scalar_type() == at::kFloat && w.dim() == 2 && panels.numel() > 0) {
+  if (kind == kDense && w.scalar_type() == dtype && w.dim() == 2 && panels.numel() > 0) {
     TORCH_CHECK(w.size(1) == in, kWhat, ": a dense weight of ", w.size(1), " inputs where the layer has ", in);
-    check_panels(panels, w.size(0), in, at::kFloat, "Stack (one-region step): a dense weight's panels");
-    p.dense = panels.data_ptr<float>();
+    check_panels(panels, w.size(0), in, dtype, "Stack (one-region step): a dense weight's panels");
+    if (dtype == at::kFloat) {
+      p.dense = panels.data_ptr<float>();
+    } else {
+      p.dense16 = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+    }
     p.N = w.size(0);
     return p;
   }
@@ -90,8 +96,21 @@ std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, con
                                        double eps) {
   auto step = std::unique_ptr<OwnStep>(new OwnStep());
   const int64_t L = static_cast<int64_t>(norms.size()) / 2;
-  if (L == 0 || norms[0].scalar_type() != at::kFloat || norms[0].dim() != 1) {
+  if (L == 0 || norms[0].dim() != 1 ||
+      (norms[0].scalar_type() != at::kFloat && norms[0].scalar_type() != at::kBFloat16)) {
     return nullptr;
+  }
+  const at::ScalarType dtype = norms[0].scalar_type();
+  step->bf16_ = dtype == at::kBFloat16;
+  for (const at::Tensor& bias : biases) {
+    if (step->bf16_ && bias.numel() > 0) {  // (the ATen loop rounds a bfloat16 product before its bias)
+      return nullptr;
+    }
+  }
+  for (const at::Tensor& norm : norms) {
+    TORCH_CHECK(norm.scalar_type() == dtype && norm.device().is_cpu(), kWhat, ": every norm's weight in ",
+                c10::toString(dtype), " on the CPU expected");
+    step->norms_.push_back(norm.to(at::kFloat).contiguous());  // (widened: exact)
   }
   step->H_ = n_heads;
   step->Hkv_ = n_kv_heads;
@@ -100,15 +119,16 @@ std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, con
   const int64_t D = step->D_;
   for (int64_t i = 0; i < L; ++i) {
     const int64_t s = kSlots * i;
-    StepLayer layer{vector_of(norms[2 * i], D, "an attention norm"), vector_of(norms[2 * i + 1], D, "an MLP norm"),
-                    {}, {}, {}, {}};
+    StepLayer layer{vector_of(step->norms_[2 * i], D, "an attention norm"),
+                    vector_of(step->norms_[2 * i + 1], D, "an MLP norm"), {}, {}, {}, {}};
     // a group of slots [first, last] reading `in` inputs (a fused product: the first slot alone, its parts' biases
     // at their parts' offsets, `parts` their widths); false where a slot is a kind this loop does not run
     auto group = [&](StepGroup& g, int64_t first, int64_t count, int64_t in, std::vector<int64_t> parts) -> bool {
       const bool fused = count > 1 && kinds[first + 1] == kNone;
       int64_t offset = 0;
       for (int64_t j = first; j < first + (fused ? 1 : count); ++j) {
-        std::optional<StepProduct> p = product_of(kinds[j], weights[j], aux[j], panels[j], outputs[j], in, offset);
+        std::optional<StepProduct> p =
+            product_of(kinds[j], weights[j], aux[j], panels[j], outputs[j], in, offset, dtype);
         if (!p) {
           return false;
         }
@@ -171,15 +191,22 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
                                                 int64_t end, const std::optional<at::Tensor>& mask) const {
   const int64_t T = x_in.size(0), D = D_, H = H_, Hkv = Hkv_, hd = hd_, I = I_, G = H / Hkv;
   const int64_t L = static_cast<int64_t>(layers_.size()), S = k_all.size(2), HD = H * hd;
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.size(1) == D, kWhat, ": x [T, ", D, "] float32 expected");
-  TORCH_CHECK(k_all.scalar_type() == at::kFloat && k_all.is_contiguous() && v_all.is_contiguous() &&
-                  k_all.size(0) >= L && k_all.size(3) == hd,
-              kWhat, ": float32 K and V caches [", L, ", ", Hkv, ", S, ", hd, "] contiguous expected");
-  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  const at::ScalarType dtype = this->dtype();
+  const bool bf16 = bf16_;
+  TORCH_CHECK(x_in.scalar_type() == dtype && x_in.dim() == 2 && x_in.size(1) == D, kWhat, ": x [T, ", D, "] in ",
+              c10::toString(dtype), " expected");
+  TORCH_CHECK(k_all.scalar_type() == dtype && v_all.scalar_type() == dtype && k_all.is_contiguous() &&
+                  v_all.is_contiguous() && k_all.dim() == 4 && k_all.sizes() == v_all.sizes() && k_all.size(0) >= L &&
+                  k_all.size(1) == Hkv && k_all.size(3) == hd && start >= 0 && start + T <= S && end <= S,
+              kWhat, ": K and V caches [", L, ", ", Hkv, ", S, ", hd, "] in ", c10::toString(dtype),
+              " contiguous expected, holding slots [", start, ", ", start + T, ") and [0, ", end, ")");
+  const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();  // (widened: exact)
+  TORCH_CHECK(c.dim() == 2 && c.size(0) == T && c.size(1) == hd && s.sizes() == c.sizes(), kWhat, ": cos and sin [",
+              T, ", ", hd, "] expected");
   const at::Tensor m = visible_mask(mask, T, end, kWhat);
   const bool* seen = m.defined() ? m.data_ptr<bool>() : nullptr;
   const auto f = x_in.options().dtype(at::kFloat);
-  at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);
+  at::Tensor x = x_in.to(at::kFloat).clone(at::MemoryFormat::Contiguous);  // (a bfloat16 one widened: exact)
   at::Tensor delta = x_in.new_empty({T, D}, f), h = x_in.new_empty({T, D}, f);
   at::Tensor qkv = x_in.new_empty({T, (H + 2 * Hkv) * hd}, f);
   at::Tensor q = x_in.new_empty({T, HD}, f), att = x_in.new_empty({T, HD}, f);
@@ -197,8 +224,10 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
   float* A = att.data_ptr<float>();
   float* GU = gu.data_ptr<float>();
   float* Act = act.data_ptr<float>();
-  float* Kc = k_all.data_ptr<float>();
-  float* Vc = v_all.data_ptr<float>();
+  float* Kc = bf16 ? nullptr : k_all.data_ptr<float>();
+  float* Vc = bf16 ? nullptr : v_all.data_ptr<float>();
+  uint16_t* Kc16 = bf16 ? reinterpret_cast<uint16_t*>(k_all.data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* Vc16 = bf16 ? reinterpret_cast<uint16_t*>(v_all.data_ptr<at::BFloat16>()) : nullptr;
   const float* C = c.data_ptr<float>();
   const float* Sn = s.data_ptr<float>();
   const Isa dense_isa = machine_isa(), block_isa = raw::block_isa();
@@ -222,6 +251,9 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
         }
         if (p.blocks) {
           raw::block_tiles(p.w, acts, T, out + p.offset, g.width, lo, hi, block_isa);
+        } else if (bf16) {  // (each sum rounded to bfloat16)
+          raw::dense_range(in, p.dense16, out + p.offset, g.width, T, p.K, lo * p.unit(),
+                           std::min(p.N, hi * p.unit()), dense_isa);
         } else {
           raw::dense_range(in, p.dense, nullptr, out + p.offset, g.width, T, p.K, lo * p.unit(),
                            std::min(p.N, hi * p.unit()), dense_isa);
@@ -244,12 +276,9 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
       for (int64_t t = a; t < b; ++t) {
         float* xt = X + t * D;
         if (add) {
-          const float* dt = Dl + t * D;
-          for (int64_t j = 0; j < D; ++j) {
-            xt[j] = xt[j] + dt[j];
-          }
+          raw::add_rows(xt, Dl + t * D, D, bf16);
         }
-        raw::norm_row(xt, weight, Hn + t * D, D, eps_);
+        raw::norm_row(xt, weight, Hn + t * D, D, eps_, bf16);
         if (quantized) {
           raw::quantize_blocks(Hn, acts, t * D / raw::kBlockInputs, (t + 1) * D / raw::kBlockInputs);
         }
@@ -258,8 +287,10 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
     };
     for (int64_t i = 0; i < L; ++i) {
       const StepLayer& layer = layers_[i];
-      float* Kl = Kc + i * Hkv * S * hd;  // [Hkv, S, hd]
-      float* Vl = Vc + i * Hkv * S * hd;
+      float* Kl = bf16 ? nullptr : Kc + i * Hkv * S * hd;  // [Hkv, S, hd]
+      float* Vl = bf16 ? nullptr : Vc + i * Hkv * S * hd;
+      uint16_t* Kl16 = bf16 ? Kc16 + i * Hkv * S * hd : nullptr;  // (bfloat16 caches)
+      uint16_t* Vl16 = bf16 ? Vc16 + i * Hkv * S * hd : nullptr;
       residual_norm(i > 0, layer.attn_norm, layer.qkv.quantized);
       products(layer.qkv, Hn, QKV);
       {  // RoPE of each row's q and k heads (k into the cache), its v heads copied into the cache
@@ -269,11 +300,21 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
           const int64_t t = item / heads, j = item % heads;
           const float* in = QKV + t * heads * hd + j * hd;
           if (j < H) {
-            raw::rope_row(in, C + t * hd, Sn + t * hd, Q + t * HD + j * hd, hd);
-          } else if (j < H + Hkv) {
+            raw::rope_row(in, C + t * hd, Sn + t * hd, Q + t * HD + j * hd, hd, bf16);
+          } else if (!bf16 && j < H + Hkv) {
             raw::rope_row(in, C + t * hd, Sn + t * hd, Kl + ((j - H) * S + start + t) * hd, hd);
-          } else {
+          } else if (!bf16) {
             std::memcpy(Vl + ((j - H - Hkv) * S + start + t) * hd, in, sizeof(float) * hd);
+          } else {  // (bfloat16 values into the cache's bits: exact)
+            float k[kMaxHeadDim];
+            const bool key = j < H + Hkv;
+            if (key) {
+              raw::rope_row(in, C + t * hd, Sn + t * hd, k, hd, true);
+            }
+            uint16_t* to = (key ? Kl16 + (j - H) * S * hd : Vl16 + (j - H - Hkv) * S * hd) + (start + t) * hd;
+            for (int64_t e = 0; e < hd; ++e) {
+              to[e] = c10::BFloat16(key ? k[e] : in[e]).x;
+            }
           }
         }
       }
@@ -283,8 +324,16 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
         for (int64_t item = a; item < b; ++item) {
           const int64_t head = item % H, r0 = item / H * kRowBlock, r1 = std::min(T, r0 + kRowBlock);
           const int64_t g = head / G;
-          raw::attend(Q + head * hd, HD, Kl + g * S * hd, Vl + g * S * hd, hd, seen, T, end, r0, r1, 1, hd, scale,
-                      A + head * hd, HD);
+          if (bf16) {  // (its outputs rounded to bfloat16, as the op's are)
+            raw::attend(Q + head * hd, HD, Kl16 + g * S * hd, Vl16 + g * S * hd, hd, seen, T, end, r0, r1, 1, hd,
+                        scale, A + head * hd, HD);
+            for (int64_t t = r0; t < r1; ++t) {
+              raw::round_bf16(A + t * HD + head * hd, hd);
+            }
+          } else {
+            raw::attend(Q + head * hd, HD, Kl + g * S * hd, Vl + g * S * hd, hd, seen, T, end, r0, r1, 1, hd, scale,
+                        A + head * hd, HD);
+          }
           if (layer.o.quantized && head_blocks) {
             for (int64_t t = r0; t < r1; ++t) {
               const int64_t first = (t * HD + head * hd) / raw::kBlockInputs;
@@ -307,7 +356,7 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
         auto [a, b] = share(T * per_row, tid, n);
         for (int64_t item = a; item < b; ++item) {
           const int64_t t = item / per_row, j = item % per_row * width;
-          raw::silu_mul_row(GU + t * 2 * I + j, GU + t * 2 * I + I + j, Act + t * I + j, width);
+          raw::silu_mul_row(GU + t * 2 * I + j, GU + t * 2 * I + I + j, Act + t * I + j, width, bf16);
           if (layer.down.quantized) {
             raw::quantize_blocks(Act, acts, (t * I + j) / raw::kBlockInputs, (t * I + j + width) / raw::kBlockInputs);
           }
@@ -316,6 +365,9 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
 #pragma omp barrier
       products(layer.down, Act, Dl);
     }
+  }
+  if (bf16) {  // (bfloat16 values: exact)
+    return {x.to(at::kBFloat16), delta.to(at::kBFloat16)};
   }
   return {x, delta};
 }

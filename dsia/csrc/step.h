@@ -1,6 +1,7 @@
 // The decoder layers of a forward in one parallel region (step.cpp): for a float32 call whose every product is
-// casspec's own (GGUF blocks as stored, or dense float32 weights), norms, RoPE and attention casspec's too. The
-// Stack (layers.cpp) runs its layers here where it can, the ATen loop otherwise; both give the same bits.
+// casspec's own (GGUF blocks as stored, or dense float32 weights), or a bfloat16 one whose every product is dense
+// bfloat16 without a bias, norms, RoPE and attention casspec's too. The Stack (layers.cpp) runs its layers here
+// where it can, the ATen loop otherwise; both give the same bits.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,7 +27,8 @@ constexpr int64_t kSlots = 7;  // per layer: q (or q|k|v), k, v, o, gate (or gat
 struct StepProduct {
   bool blocks;  // raw::Blocks, else dense
   raw::Blocks w;  // blocks
-  const float* dense;  // panels [ceil(N / 64), K, 64] (dense_pack)
+  const float* dense;  // panels [ceil(N / 64), K, 64] (dense_pack), float32
+  const uint16_t* dense16;  // or bfloat16's (their bits)
   int64_t N, K, offset;
   // outputs a thread's share is counted in: a block tile, or half a dense group (two threads then share an odd
   // number of groups evenly)
@@ -59,15 +61,17 @@ struct StepLayer {
 class OwnStep {
  public:
   // the Stack's slots (layers.cpp: kinds, weights, aux, panels, biases, outputs), norms [2L], heads; nullptr where a
-  // slot is a kind this loop does not run, or a weight is not GGUF blocks / float32 with its panels
+  // slot is a kind this loop does not run, or a weight is not GGUF blocks / dense with its panels in the norms'
+  // dtype (float32; bfloat16: dense only, no bias)
   static std::unique_ptr<OwnStep> from(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
                                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& aux,
                                        const std::vector<at::Tensor>& panels, const std::vector<at::Tensor>& biases,
                                        const std::vector<int64_t>& outputs, int64_t n_heads, int64_t n_kv_heads,
                                        double eps);
   bool dense() const { return dense_; }  // whether some product is dense (the call's dense kernel must be casspec's)
-  // x [T, D] after the embedding; k_all, v_all [L, Hkv, S, hd] float32 contiguous, written at [start, start + T),
-  // read over [0, end); cos, sin [T, hd]; mask [T, end] bool or none (causal). -> (x, delta) as Stack::run.
+  at::ScalarType dtype() const { return bf16_ ? at::kBFloat16 : at::kFloat; }  // of the calls it runs
+  // x [T, D] after the embedding; k_all, v_all [L, Hkv, S, hd] contiguous, written at [start, start + T), read over
+  // [0, end); cos, sin [T, hd]; mask [T, end] bool or none (causal); all in dtype(). -> (x, delta) as Stack::run.
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, at::Tensor& k_all, at::Tensor& v_all,
                                          const at::Tensor& cos, const at::Tensor& sin, int64_t start, int64_t end,
                                          const std::optional<at::Tensor>& mask) const;
@@ -77,6 +81,8 @@ class OwnStep {
   int64_t H_ = 0, Hkv_ = 0, hd_ = 0, D_ = 0, I_ = 0, widest_ = 0;  // heads, head size, model and MLP width, widest K
   double eps_ = 0;
   bool dense_ = false;
+  bool bf16_ = false;  // bfloat16 calls: the activations' values bfloat16's (held as float32), each op's rounded
+  std::vector<at::Tensor> norms_;  // the norms' weights as float32 (a bfloat16 one widened)
 };
 
 }  // namespace casspec

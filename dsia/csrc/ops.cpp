@@ -69,21 +69,14 @@ typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
   }
 }
 
-// each lane rounded to bfloat16's precision (to nearest, ties to even, as torch rounds; NaN: torch's quiet NaN) and
-// kept as a float32: the value a bfloat16 op's result holds, exactly (integer operations: the same in every path)
+// each lane rounded to bfloat16's precision (round_bf16, ops.h)
 [[gnu::always_inline]] inline v16 to_bf16(v16 v) {
-  const u32x16 bits = reinterpret_cast<const u32x16&>(v);
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  const i16 nan = v != v;
-  const u32x16 out = nan ? u32x16{} + 0x7FC00000u : rounded;
-  return reinterpret_cast<const v16&>(out);
-}
-inline float to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  bits = x != x ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
+  v16 out;
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kLanes; ++i) {
+    out[i] = round_bf16(v[i]);
+  }
+  return out;
 }
 
 // the lanes' sum, folded in halves: lane i + lane i + 8, then + 4, + 2, + 1
@@ -489,7 +482,7 @@ void rope_row(const float* x, const float* cos, const float* sin, float* out, in
   const int64_t half = hd / 2;
   for (int64_t j = 0; j < hd; ++j) {  // roll(x, hd / 2)[j] = x[(j + hd / 2) mod hd]; sin's first half negated
     const float a = x[j] * cos[j], b = x[j < half ? j + half : j - half] * sin[j];
-    out[j] = bf16 ? to_bf16(to_bf16(a) + to_bf16(b)) : a + b;
+    out[j] = bf16 ? casspec::round_bf16(casspec::round_bf16(a) + casspec::round_bf16(b)) : a + b;
   }
 }
 
@@ -511,13 +504,13 @@ void silu_mul_row(const float* gate, const float* up, float* out, int64_t n, boo
 
 void add_rows(float* x, const float* delta, int64_t n, bool bf16) {
   for (int64_t j = 0; j < n; ++j) {
-    x[j] = bf16 ? to_bf16(x[j] + delta[j]) : x[j] + delta[j];
+    x[j] = bf16 ? casspec::round_bf16(x[j] + delta[j]) : x[j] + delta[j];
   }
 }
 
 void round_bf16(float* x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
-    x[j] = to_bf16(x[j]);
+    x[j] = casspec::round_bf16(x[j]);
   }
 }
 

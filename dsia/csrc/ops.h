@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -20,6 +22,18 @@ constexpr int64_t kRowBlock = 16;  // query rows an attention task takes togethe
 constexpr int64_t kPointwiseTask = 1 << 14;  // floats a thread's task of a row-wise op (norm, RoPE, silu) takes
 constexpr int64_t kParallelWork = 1 << 18;  // an attention or a block product of more multiply-adds than this runs
                                             // on every thread (fewer: waking the other costs more)
+
+// x rounded to bfloat16's precision (to nearest, ties to even, as torch casts; NaN: torch's quiet NaN), kept as a
+// float32: the value a bfloat16 op's result holds. Integer operations only (no branch: loops of it vectorize), so
+// the same bits in every instruction set's path.
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  bits = x != x ? 0x7FC00000u : rounded;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
 
 // Every op checks each tensor argument before it reads one: dtype, device, dims, the sizes it indexes and unit
 // strides where it reads rows directly (an untrusted model file or a caller's mistake gives an error, never a read
@@ -82,7 +96,7 @@ void rope_row(const float* x, const float* cos, const float* sin, float* out, in
 void silu_mul_row(const float* gate, const float* up, float* out, int64_t n, bool bf16 = false);
 // n elements: x += delta, as add_rms_norm's sum
 void add_rows(float* x, const float* delta, int64_t n, bool bf16);
-// n values rounded to bfloat16 in place (to nearest even, as torch casts), kept as float32
+// n values rounded to bfloat16 in place (round_bf16), kept as float32
 void round_bf16(float* x, int64_t n);
 // query rows [r0, r1) of G heads (q + r * q_row + h * hd) attending over float32 keys, values (slot j at keys + j *
 // kv_row) at slots [0, end) as mask [T, end] (or causal: row t at slot end - T + t) says: out + r * out_row + h * hd

@@ -38,7 +38,8 @@ BASELINE = "hf-ar"
 # dytc ablations: `dytc~const` with the latency predictor replaced by constant costs (verification 1 step whatever
 # its size, a draft forward 0.3 step), `dytc~nofallback` never verifying the root alone
 DYTC_VARIANTS = {"const": {"router": RouterConfig(constant_cost=0.3)},
-                 "nofallback": {"router": RouterConfig(fallback=False)}}
+                 "nofallback": {"router": RouterConfig(fallback=False)},
+                 "nooverhead": {"router": RouterConfig(step_overhead=False)}}
 # any method with lookups beneath its levels: `vc~maxgram`, `dytc~both`, ... (the bottom, see sources.BOTTOMS)
 BOTTOM_VARIANTS = {name: {"bottom": name} for name in BOTTOMS}
 SAMPLING_SEED = 0  # default seed of every sampled generation (so that repeats reproduce their tokens; --seed)

@@ -8,7 +8,9 @@ verifies it. Let p_n be the probability that node n is accepted: the product, al
 acceptance estimate given its parent is accepted. Greedy verification accepts at most one child per node, so
 the expected number of tokens the step emits is E = 1 + sum_{n != root} p_n (accepted drafts plus the bonus
 token), and its time is D + V(N): the draft time spent D plus the predicted verification of the N-node tree at
-this context. The step's throughput is E / (D + V(N)); AR is the one-node tree, 1 / V(1).
+this context. The step's throughput is E / (D + V(N)); AR is the one-node tree, 1 / V(1). D starts at the router's
+own time per step (O, measured: a step's drafting time less its level forwards, a running mean): a step costs it
+whatever it drafts, so a tree that emits more tokens spreads it over more.
 
 Growth is greedy on that ratio. Each round considers the most probable nodes (`expand_candidates`) and, at
 each, every source:
@@ -44,6 +46,7 @@ Sampling: every drafted token is deterministic (q one-hot); the engine verifies 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -63,6 +66,7 @@ from .tree import DraftTree, ancestor_mask, depths
 GUESS_VERIFY_MS = (50.0, 1.0)  # before any verification is timed: V(N) = a + b (N - 1) ms, replaced after one step
 GUESS_LEVEL_SHARE = 0.5  # a level never profiled nor run costs this share of a verification of as many tokens
 MIN_MS = 1e-3  # floor of every predicted time (a fitted line can dip below zero far from its data)
+OVERHEAD_WEIGHT = 0.1  # weight of a step's measured router time in the running mean O (about the last ten steps)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class RouterConfig:
     fallback: bool = True  # verify the root alone when no tree is predicted to beat AR
     explore_every: int = 16  # after this many fallbacks in a row, draft one tree anyway
     explore_level_after: int | None = 64  # steps without a level before it is forced (_stale_level; None: never)
+    step_overhead: bool = True  # count the router's own measured time per step in each step's cost (D starts at O)
     constant_cost: float | None = None  # ablation: no latency predictor; a verification costs one target step
     # whatever its size, a level forward this fraction of it whatever its tokens (None: the fitted predictor)
 
@@ -102,6 +107,7 @@ class DyTC(Policy):
         self.measured_draft_ms = 0.0
         self.last_drafted: dict[str, int] = {name: 0 for name in self.levels}  # level -> the step it last drafted in
         self.explore_steps, self.explore_loss = 0, 0.0  # steps a level was forced into; throughput they gave up
+        self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
 
     # ------------------------------------------------------------------ lifecycle
     def begin(self, ctx: DraftContext) -> None:
@@ -135,6 +141,7 @@ class DyTC(Policy):
                 "tested_by_source": {s: n for s, (n, _) in self.outcomes.items()},
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
                 "predicted_draft_ms": round(self.predicted_draft_ms, 1), "explore_steps": self.explore_steps,
+                "overhead_ms": round(self.overhead_ms, 2),
                 "measured_draft_ms": round(self.measured_draft_ms, 1),
                 "explore_loss": round(self.explore_loss / max(self.explore_steps, 1), 4),
                 "estimate_origins": {s: self.tracker.origins[s] for s in self.levels if s in self.tracker.origins}}
@@ -164,13 +171,23 @@ class DyTC(Policy):
         return verify_ms, level_ms
 
     def new_step(self, ctx: DraftContext, n_max: int) -> Step:
-        """A step holding the root alone, with this step's cost tables."""
+        """A step holding the root alone, with this step's cost tables; its time spent starts at O."""
         verify_ms, level_ms = self.costs(ctx.latency, ctx.cache.length, n_max)
+        overhead = self.overhead_ms if self.cfg.step_overhead and self.cfg.constant_cost is None else 0.0
         return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], verify_ms.tolist(),
-                    {name: ms.tolist() for name, ms in level_ms.items()})
+                    {name: ms.tolist() for name, ms in level_ms.items()}, spent=overhead)
 
     # ------------------------------------------------------------------ drafting
     def draft(self, ctx: DraftContext) -> DraftTree:
+        started, forwards_ms = time.perf_counter(), self.measured_draft_ms
+        tree = self._grow(ctx)
+        own = (time.perf_counter() - started) * 1e3 - (self.measured_draft_ms - forwards_ms)
+        weight = OVERHEAD_WEIGHT if self.steps > 1 else 1.0  # (the first step's time is the first estimate)
+        self.overhead_ms += weight * (own - self.overhead_ms)
+        return tree
+
+    def _grow(self, ctx: DraftContext) -> DraftTree:
+        """This step's tree, grown greedily on the step's predicted throughput (module docstring)."""
         cfg = self.cfg
         n_max = max(1, min(cfg.max_nodes, ctx.room))
         step = self.step = self.new_step(ctx, n_max)

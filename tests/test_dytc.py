@@ -279,6 +279,32 @@ def test_objective_picks_the_best_throughput_segment():
     assert act.rate == pytest.approx(max(rates), rel=1e-9)
 
 
+def test_the_routers_own_time_per_step_counts_in_every_steps_cost():
+    """O, the router's measured time per step (drafting less level forwards), starts each step's time spent, so a
+    segment that emits more tokens spreads it over more: the best k with O is the objective's argmax with O in every
+    denominator, and longer than the best k without it; step_overhead=False leaves it out."""
+    e = tiny_engine("llama", 0)
+    router, ctx = _router(e, _latency(50.0, 10.0))
+    router.draft(ctx)
+    assert router.overhead_ms > 0 and router.report()["overhead_ms"] == round(router.overhead_ms, 2)
+    a = router.tracker.mean("int4")
+    best_k = {}
+    for own in (0.0, 200.0):
+        router.overhead_ms = own
+        step = router.new_step(ctx, 32)
+        assert step.spent == own
+        act = router.best_action(ctx, step, 32)
+        V, c = step.verify_ms, step.level_ms["int4"]
+        rates = [(1 + sum(a ** i for i in range(1, k + 1))) / (own + c[1] * k + V[1 + k])
+                 for k in range(1, RouterConfig.lookahead + 1)]
+        assert act.k == int(np.argmax(rates)) + 1 and act.rate == pytest.approx(max(rates), rel=1e-9)
+        best_k[own] = act.k
+    assert best_k[200.0] > best_k[0.0]  # (4 and 8 tokens here)
+    off, ctx = _router(e, _latency(50.0, 10.0), RouterConfig(levels=("int4",), lookups=(), step_overhead=False))
+    off.overhead_ms = 200.0
+    assert off.new_step(ctx, 32).spent == 0.0
+
+
 def test_leaf_selection_takes_the_most_probable_node():
     e = tiny_engine("llama", 0)
     router, ctx = _router(e, _latency(50.0, 10.0), RouterConfig(levels=("int4",), lookups=(), expand_candidates=1))

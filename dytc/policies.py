@@ -91,11 +91,9 @@ class DraftContext:
         token at that position with, so the first is the target's own sample wherever the two perturbed argmaxes
         agree (a good level's do at about its greedy agreement; its plain argmax would match with probability
         p(x) only); the probabilities are the softmax of those perturbed scores (q itself where g = 0)."""
-        if not self.coupled:
-            logits = logits.float()
-            values, top_i = top_k(logits, k)  # [T, k]
-            top = values[:, :1]  # [T, 1] each row's maximum
-            return (values - top).exp() / (logits - top).exp().sum(-1, keepdim=True), top_i
+        if not self.coupled:  # (one softmax, then its top k: 50 us a row over a 49k vocabulary against 63 taking
+            # the top logits first and their softmax after)
+            return top_k(torch.softmax(logits.float(), dim=-1), k)  # [T, k] each
         return coupled_top(logits.cpu(), self.sampling, torch.stack([self.noise(p + 1) for p in positions]), k)
 
     def commit(self, emitted: list[int]) -> None:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -57,34 +57,16 @@ from dsia.levels import Level, reads_kv_of
 
 from .acceptance import AcceptanceTracker
 from .latency import TARGET_LEVEL, LatencyModel
-from .ngram import PLD_NUM_TOKENS, Lookup, new_lookup
+from .ngram import Lookup, new_lookup
 from .policies import DraftContext, Policy
-from .router_step import Action, Node, Step, consecutive_runs, geometric
-from .sources import LOOKUPS, OVERRULED, PLD, overruled, sibling
+from .router_step import Action, Node, RouterConfig, Step, consecutive_runs, geometric
+from .sources import LOOKUPS, OVERRULED, overruled, sibling
 from .tree import DraftTree, ancestor_mask, depths
 
 GUESS_VERIFY_MS = (50.0, 1.0)  # before any verification is timed: V(N) = a + b (N - 1) ms, replaced after one step
 GUESS_LEVEL_SHARE = 0.5  # a level never profiled nor run costs this share of a verification of as many tokens
 MIN_MS = 1e-3  # floor of every predicted time (a fitted line can dip below zero far from its data)
 OVERHEAD_WEIGHT = 0.1  # weight of a step's measured router time in the running mean O (about the last ten steps)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    levels: tuple[str, ...] = ("int4", "int4+vocab")  # neural draft levels the router may use
-    lookups: tuple[str, ...] = (PLD,)  # statistical sources at the bottom (sources.BOTTOMS); () = none
-    max_nodes: int = 32  # most tree nodes verified, root included
-    lookahead: int = 10  # longest segment k valued when a level extends a node
-    expand_candidates: int = 4  # most probable expandable leaves, and inner nodes, considered each round
-    top_k: int = 4  # tokens of a level's distribution kept per node it ran (sibling candidates)
-    lookup_tokens: int = PLD_NUM_TOKENS  # most lookup tokens attached at once
-    review_tokens: int = 6  # most lookup tokens a level's forward reviews at once
-    fallback: bool = True  # verify the root alone when no tree is predicted to beat AR
-    explore_every: int = 16  # after this many fallbacks in a row, draft one tree anyway
-    explore_level_after: int | None = 64  # steps without a level before it is forced (_stale_level; None: never)
-    step_overhead: bool = True  # count the router's own measured time per step in each step's cost (D starts at O)
-    constant_cost: float | None = None  # ablation: no latency predictor; a verification costs one target step
-    # whatever its size, a level forward this fraction of it whatever its tokens (None: the fitted predictor)
 
 
 class DyTC(Policy):

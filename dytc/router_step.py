@@ -1,4 +1,5 @@
-"""The DyTC router's per-step state: the tree under construction, what each node is, and the actions valued.
+"""The DyTC router's configuration and per-step state: the tree under construction, what each node is, and the
+actions valued.
 
 `Step` is created by `DyTC.draft` for one step and read by `DyTC.observe` after its verification; nothing about a
 step lives anywhere else. Notation as in router.py: p_n a node's estimated acceptance probability, E the expected
@@ -8,8 +9,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
+from .ngram import PLD_NUM_TOKENS
+from .sources import PLD
 from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    levels: tuple[str, ...] = ("int4", "int4+vocab")  # neural draft levels the router may use
+    lookups: tuple[str, ...] = (PLD,)  # statistical sources at the bottom (sources.BOTTOMS); () = none
+    max_nodes: int = 32  # most tree nodes verified, root included
+    lookahead: int = 10  # longest segment k valued when a level extends a node
+    expand_candidates: int = 4  # most probable expandable leaves, and inner nodes, considered each round
+    top_k: int = 4  # tokens of a level's distribution kept per node it ran (sibling candidates)
+    lookup_tokens: int = PLD_NUM_TOKENS  # most lookup tokens attached at once
+    review_tokens: int = 6  # most lookup tokens a level's forward reviews at once
+    fallback: bool = True  # verify the root alone when no tree is predicted to beat AR
+    explore_every: int = 16  # after this many fallbacks in a row, draft one tree anyway
+    explore_level_after: int | None = 64  # steps without a level before it is forced (_stale_level; None: never)
+    step_overhead: bool = True  # count the router's own measured time per step in each step's cost (D starts at O)
+    constant_cost: float | None = None  # ablation: no latency predictor; a verification costs one target step
+    # whatever its size, a level forward this fraction of it whatever its tokens (None: the fitted predictor)
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 from dsia.errors import CasspecError
 from dsia.cxx import LIBRARY_DTYPES, build_error, built, source_digest
 from dsia.fastloop import Stacks, cxx_pointwise
+from dsia.gcpause import paused_gc
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
@@ -40,7 +41,6 @@ from dytc.verify import Noise, coupled_sample, verify_coupled, verify_greedy, ve
 from .autoprofile import autoprofile as run_autoprofile
 from .autoprofile import cached_profile, profile_key
 from .detok import TextStream
-from .gcpause import paused_gc
 from .levelstore import LevelStore
 from .loading import Loaded, load
 from .methods import Drafters, make_policy

@@ -34,7 +34,6 @@ from dsia.kernels import time_ms
 from dytc.cascade import CascadeConfig
 from dytc.sources import LOOKUPS
 
-from .gcpause import paused_gc
 from .usercache import digest, locked, read_json, write_json
 
 if TYPE_CHECKING:
@@ -192,15 +191,14 @@ def _verify_ratio(engine: Engine, tokens: int, repeats: int) -> float:
     model, cache, dev = engine.model, engine.cache, engine.device
     L = cache.length
     one, many = [], []
-    with paused_gc():  # (as a generation runs them)
-        for r in range(repeats + 2):
-            for n, out in ((1, one), (tokens, many)):
-                tok = torch.full((n,), 7, device=dev)
-                pos = torch.arange(L, L + n, device=dev)
-                mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-                ms = time_ms(lambda: model.forward(cache, tok, pos, L, mask), dev)
-                if r >= 2:  # the first two are warm-up
-                    out.append(ms)
+    for r in range(repeats + 2):
+        for n, out in ((1, one), (tokens, many)):
+            tok = torch.full((n,), 7, device=dev)
+            pos = torch.arange(L, L + n, device=dev)
+            mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+            ms = time_ms(lambda: model.forward(cache, tok, pos, L, mask), dev)
+            if r >= 2:  # the first two are warm-up
+                out.append(ms)
     return statistics.median(many) / statistics.median(one)
 
 

@@ -30,7 +30,6 @@ from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyMod
                           split_heldout)
 from dytc.tree import ancestor_mask, position_ids
 
-from .gcpause import paused_gc
 from .methods import default_levels
 
 if TYPE_CHECKING:  # the engine imports this module on first use (autoprofile)
@@ -155,8 +154,7 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> t
         cache.rollback(0)
         engine.extend_prefix(ids[:C])
         calls = _calls(engine, cfg, levels, ids, C)
-        with paused_gc():  # (as a generation runs them)
-            times = _rounds(calls, cfg, engine.device, bar, budget)
+        times = _rounds(calls, cfg, engine.device, bar, budget)
         points += [Point(name, T, C, tree, STATS[cfg.stat](t)) for (name, T, tree, _), t in zip(calls, times)]
         runs += times
     bar.close()

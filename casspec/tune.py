@@ -23,7 +23,6 @@ from dsia.kvcache import KVCache
 from dsia.model import Transformer
 from dytc.latency import machine_info
 
-from .gcpause import paused_gc
 from .loading import cache_root
 from .usercache import read_json, write_json
 
@@ -113,12 +112,11 @@ def step_times(model: Transformer, cache: KVCache, repeats: int = 20) -> dict[st
         tokens, positions = ids[STEP_CONTEXT:STEP_CONTEXT + T], torch.arange(STEP_CONTEXT, STEP_CONTEXT + T, device=dev)
         runs[str(T)] = functools.partial(model.forward, cache, tokens, positions, STEP_CONTEXT)
     times: dict[str, list[float]] = {k: [] for k in runs}
-    with paused_gc():  # (as a generation runs them)
-        for r in range(repeats + 2):  # (2 warm-up rounds)
-            for k, fn in runs.items():
-                ms = time_ms(fn, dev)
-                if r >= 2:
-                    times[k].append(ms)
+    for r in range(repeats + 2):  # (2 warm-up rounds)
+        for k, fn in runs.items():
+            ms = time_ms(fn, dev)
+            if r >= 2:
+                times[k].append(ms)
     cache.rollback(0)
     return {k: statistics.median(v) for k, v in times.items()}
 

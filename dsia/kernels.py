@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .cxx import LIBRARY_DTYPES, build_error
 from .errors import CasspecError
+from .gcpause import paused_gc
 
 DenseFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # x [T, in], w [out, in], b [out] | None -> [T, out]
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # token-count buckets (upper bounds); larger counts (prompts) use the last
@@ -132,15 +133,17 @@ def candidates(dtype: torch.dtype, device: torch.device | str) -> dict[str, Dens
 
 
 def time_ms(fn: Callable[[], object], device: torch.device | str) -> float:
-    """Milliseconds of one call of fn, synchronised on a GPU (the one timer of every measurement)."""
+    """Milliseconds of one call of fn, synchronised on a GPU (the one timer of every measurement), the cyclic
+    collector paused as a generation pauses it (no full collection lands in a timing)."""
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) * 1e3
+    with paused_gc():
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) * 1e3
 
 
 def bucket_of(tokens: int) -> int:

@@ -240,7 +240,7 @@ def test_overlapping_pauses_on_threads_resume_the_collector_when_the_last_ends()
     import gc
     import threading
 
-    from casspec.gcpause import paused_gc
+    from dsia.gcpause import paused_gc
 
     inside, release = threading.Event(), threading.Event()
 
@@ -262,3 +262,15 @@ def test_overlapping_pauses_on_threads_resume_the_collector_when_the_last_ends()
         with paused_gc():
             raise RuntimeError("x")
     assert gc.isenabled()
+
+
+def test_every_timed_call_runs_with_the_collector_paused():
+    """time_ms, the one timer of every measurement (tune, the profile, the levels plane, kernel choice), pauses the
+    collector as a generation does, and leaves it as it was."""
+    import gc
+
+    from dsia.kernels import time_ms
+
+    seen = []
+    assert time_ms(lambda: seen.append(gc.isenabled()), "cpu") >= 0.0
+    assert seen == [False] and gc.isenabled()

@@ -69,15 +69,8 @@ template <int O, int R, class Wt>
       acc[o][r].store(sums);
       if (j.yf != nullptr) {  // (bfloat16 panels, no bias: each sum rounded to bfloat16, as narrow<Wt> rounds it)
         float* yf = j.yf + (t0 + r) * j.ldy + n0;
-        if (count == kLanes) {
-#pragma GCC unroll 16
-          for (int64_t l = 0; l < kLanes; ++l) {
-            yf[l] = round_bf16(sums[l]);
-          }
-        } else {
-          for (int64_t l = 0; l < count; ++l) {
-            yf[l] = round_bf16(sums[l]);
-          }
+        for (int64_t l = 0; l < count; ++l) {
+          yf[l] = round_bf16(sums[l]);
         }
         continue;
       }

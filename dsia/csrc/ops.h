@@ -4,8 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -23,17 +24,10 @@ constexpr int64_t kPointwiseTask = 1 << 14;  // floats a thread's task of a row-
 constexpr int64_t kParallelWork = 1 << 18;  // an attention or a block product of more multiply-adds than this runs
                                             // on every thread (fewer: waking the other costs more)
 
-// x rounded to bfloat16's precision (to nearest, ties to even, as torch casts; NaN: torch's quiet NaN), kept as a
-// float32: the value a bfloat16 op's result holds. Integer operations only (no branch: loops of it vectorize), so
-// the same bits in every instruction set's path.
-inline float round_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  bits = x != x ? 0x7FC00000u : rounded;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
+// x rounded to bfloat16's precision, kept as a float32: the value a bfloat16 op's result holds (c10's rounding, the
+// one torch casts with: to nearest, ties to even, integer operations, so the same bits in every instruction set's
+// path)
+inline float round_bf16(float x) { return c10::detail::f32_from_bits(c10::detail::round_to_nearest_even(x)); }
 
 // Every op checks each tensor argument before it reads one: dtype, device, dims, the sizes it indexes and unit
 // strides where it reads rows directly (an untrusted model file or a caller's mistake gives an error, never a read

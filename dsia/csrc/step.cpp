@@ -1,6 +1,6 @@
-// A float32 or bfloat16 forward's decoder layers in one parallel region, on casspec's own kernels only (step.h). Called layer by
-// layer from ATen, a one-token step is some 600 small operations, each allocating its output and each product
-// waking the other threads and waiting for them: on a 2-core machine about a third of a native step. Here the
+// A float32 or bfloat16 forward's decoder layers in one parallel region, on casspec's own kernels only (step.h).
+// Called layer by layer from ATen, a one-token step is some 600 small operations, each allocating its output and each
+// product waking the other threads and waiting for them: on a 2-core machine about a third of a native step. Here the
 // machine's threads enter once; each takes its share of every phase of a layer (the rows of a norm, the tiles of a
 // product, the heads of RoPE and of the attention), and they meet at a barrier between phases. Each output is
 // computed by the same function of the same operands as in the ATen loop (Stack::run), so the same bits, however
@@ -301,19 +301,21 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
           const float* in = QKV + t * heads * hd + j * hd;
           if (j < H) {
             raw::rope_row(in, C + t * hd, Sn + t * hd, Q + t * HD + j * hd, hd, bf16);
-          } else if (!bf16 && j < H + Hkv) {
-            raw::rope_row(in, C + t * hd, Sn + t * hd, Kl + ((j - H) * S + start + t) * hd, hd);
-          } else if (!bf16) {
-            std::memcpy(Vl + ((j - H - Hkv) * S + start + t) * hd, in, sizeof(float) * hd);
-          } else {  // (bfloat16 values into the cache's bits: exact)
-            float k[kMaxHeadDim];
-            const bool key = j < H + Hkv;
-            if (key) {
-              raw::rope_row(in, C + t * hd, Sn + t * hd, k, hd, true);
-            }
-            uint16_t* to = (key ? Kl16 + (j - H) * S * hd : Vl16 + (j - H - Hkv) * S * hd) + (start + t) * hd;
+            continue;
+          }
+          const bool key = j < H + Hkv;
+          const int64_t slot = ((key ? j - H : j - H - Hkv) * S + start + t) * hd;  // in its layer's [Hkv, S, hd]
+          float rotated[kMaxHeadDim];
+          float* to = bf16 ? rotated : (key ? Kl : Vl) + slot;  // (float32: straight into the cache)
+          if (key) {
+            raw::rope_row(in, C + t * hd, Sn + t * hd, to, hd, bf16);
+          } else {
+            std::memcpy(to, in, sizeof(float) * hd);
+          }
+          if (bf16) {  // bfloat16 values into the cache's bits (exact)
+            uint16_t* bits = (key ? Kl16 : Vl16) + slot;
             for (int64_t e = 0; e < hd; ++e) {
-              to[e] = c10::BFloat16(key ? k[e] : in[e]).x;
+              bits[e] = c10::BFloat16(rotated[e]).x;
             }
           }
         }

@@ -1,11 +1,11 @@
-"""Python's cyclic garbage collector paused while forwards run (a generation, a timed forward).
+"""Python's cyclic garbage collector paused while forwards run (a generation; every timed call: `kernels.time_ms`).
 
 A decode step allocates a few hundred short-lived Python objects (tensors' wrappers, tuples, dicts of a tree); every
 700 of them start a young collection, and every hundredth of those a full one over the whole heap (torch's and
 transformers' modules: some 400 thousand objects). On a 2-core AMD EPYC that was about 6% of a native step (perf:
 gc_collect_main 4.1% of the samples; SmolLM2 Q4_1 one-token step 2.44 -> 2.27 ms with the collector out of the way).
-(The CLI also freezes what it loaded out of the collector's sight, casspec/cli.py; a program on the Python API
-gets this pause.) The step's objects are freed by their reference counts all the same; anything cyclic waits for
+(casspec's CLI also freezes what it loaded out of the collector's sight; a program on the Python API gets this
+pause.) The step's objects are freed by their reference counts all the same; anything cyclic waits for
 the first collection after the pause. The pause is counted, so overlapping generations on other threads (a
 server's) keep it until the last one ends, and a collector the program had turned off stays off.
 """

@@ -18,7 +18,7 @@ import threading
 import time
 from contextlib import contextmanager
 from numbers import Integral
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -297,9 +297,11 @@ class Engine:
             return self._stream(ids, req)
         return self.generate_ids(ids, req)
 
-    def generate_ids(self, prompt_ids: Sequence[int], req: Request) -> Result:
-        """Generate from token ids (the bench and tests use this to skip templating)."""
-        for _ in self.stream_ids(prompt_ids, req):
+    def generate_ids(self, prompt_ids: Sequence[int], req: Request,
+                     wrap: Callable[[Policy], Policy] | None = None) -> Result:
+        """Generate from token ids (the bench and tests use this to skip templating). `wrap`: the caller's wrapper
+        around the method's drafting policy (the oracle replay records each step through one)."""
+        for _ in self._stream(self._checked(list(prompt_ids)), req, wrap=wrap):
             pass
         return self.last_result
 
@@ -344,16 +346,20 @@ class Engine:
             self._owner = None
             self._lock.release()  # (a plain Lock: a stream closed by another thread may release it)
 
-    def _stream(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None = None) -> Iterator[str]:
+    def _stream(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None = None,
+                wrap: Callable[[Policy], Policy] | None = None) -> Iterator[str]:
         with self._exclusive(), paused_gc():
-            yield from self._pieces(prompt_ids, req, cancel)
+            yield from self._pieces(prompt_ids, req, cancel, wrap)
 
     # ------------------------------------------------------------------ text and stops
-    def _pieces(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None) -> Iterator[str]:
+    def _pieces(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None,
+                wrap: Callable[[Policy], Policy] | None) -> Iterator[str]:
         stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
                       kernels=self.kernels, sources=self.drafters.describe(req))
         start = time.perf_counter()
         policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
+        if wrap is not None:
+            policy = wrap(policy)
         stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
         out: list[int] = []
         text = TextStream(self.decode, req.stop)

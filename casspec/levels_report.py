@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -65,25 +66,33 @@ def _learn(engine: Engine, level: Level, tokens: int) -> None:
         level.observe(engine.model, cache, hist, [])
 
 
-def _agreement(engine: Engine, level: Level, prompt: list[int], cont: list[int], plans: list) -> list[int]:
-    """Teacher-forced top-1 agreement counts, one per plan in `plans` (None = the level's own plan)."""
+def teacher_forced(engine: Engine, level: Level, prompt: list[int], cont: list[int], plans: list,
+                   chunk: int = CHUNK) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The level's logits along the target's continuation `cont` of `prompt`, in chunks of `chunk` tokens as a
+    draft sees them (reading the target's committed KV before each chunk): per chunk, (the tokens predicted [n], one
+    logits [n, V] per plan in `plans`, None = the level's own plan). Row i predicts cont[s + 1 + i]."""
     model, cache = engine.model, engine.cache
     cache.rollback(0)
     engine.extend_prefix(prompt)
     level.begin(model, cache, prompt + cont[:1])
-    hits = [0] * len(plans)
-    for s in range(0, len(cont) - 1, CHUNK):
-        inputs = cont[s:s + CHUNK]
-        targets = cont[s + 1:s + 1 + CHUNK]
-        inputs = inputs[:len(targets)]
+    for s in range(0, len(cont) - 1, chunk):
+        targets = cont[s + 1:s + 1 + chunk]
+        inputs = cont[s:s + len(targets)]
         L, dev = cache.length, engine.device
         tok = torch.tensor(inputs, device=dev)
         pos = torch.arange(L, L + len(inputs), device=dev)
-        for j, plan in enumerate(plans):
-            logits = model.forward(cache, tok, pos, L, plan=plan or level.plan)
-            hits[j] += int((logits.argmax(-1) == torch.tensor(targets, device=dev)).sum())
+        yield (torch.tensor(targets, device=dev),
+               [model.forward(cache, tok, pos, L, plan=plan or level.plan) for plan in plans])
         level.observe(model, cache, prompt + cont[:s + len(inputs) + 1], inputs)
         engine.extend_prefix(prompt + cont[:s + len(inputs)])
+
+
+def _agreement(engine: Engine, level: Level, prompt: list[int], cont: list[int], plans: list) -> list[int]:
+    """Teacher-forced top-1 agreement counts, one per plan in `plans` (None = the level's own plan)."""
+    hits = [0] * len(plans)
+    for targets, logits in teacher_forced(engine, level, prompt, cont, plans):
+        for j, rows in enumerate(logits):
+            hits[j] += int((rows.argmax(-1) == targets).sum())
     return hits
 
 

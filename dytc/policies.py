@@ -54,6 +54,8 @@ class DraftContext:
     noise: Noise | None = None  # sampling: the verifier's position-owned noise, which coupled drafts use too
     draft_forwards: int = 0  # level forwards run by the policy in this generation
     draft_ms: float = 0.0  # their measured time
+    forwards: list[tuple[str, int, bool]] | None = None  # every level forward (level, tokens, tree mask) when a
+    # caller records them (the oracle replay); None: not recorded
 
     @property
     def room(self) -> int:
@@ -75,6 +77,8 @@ class DraftContext:
         ms = (time.perf_counter() - t0) * 1e3
         self.draft_forwards += 1
         self.draft_ms += ms
+        if self.forwards is not None:
+            self.forwards.append((level.name, len(tokens), mask is not None))
         if self.latency is not None and self.model.graph_captures == captures:
             self.latency.observe(level.name, len(tokens), start, ms, tree=mask is not None)
         return logits, ms

@@ -25,7 +25,7 @@ from dsia.errors import CasspecError
 from dytc.latency import TARGET_LEVEL
 from dytc.ngram import PLD_NUM_TOKENS, new_lookup
 from dytc.policies import DraftContext, Policy
-from dytc.router import MIN_MS
+from dytc.costs import MIN_MS
 from dytc.replay import LiveStep, Recording, oracle, replay, replay_live, static_policies
 from dytc.sources import LOOKUPS
 from dytc.tree import DraftTree, is_chain

@@ -51,9 +51,12 @@ class AcceptanceTracker:
     counts: dict[str, list[int]] = field(default_factory=dict)  # source -> [tested, accepted], all time
     recent: dict[tuple[str, int] | str, deque] = field(default_factory=dict)  # key -> last steps' (tested, accepted)
     origins: dict[str, str] = field(default_factory=dict)  # source -> where its average comes from (seed, LEARNED)
+    memo: dict[tuple[str, int], float] = field(default_factory=dict, repr=False, compare=False)  # estimates asked
+    # since the last update (the router asks the same few thousands of times a step); cleared by seed and update
 
     def seed(self, measured: dict[str, float], origin: str) -> None:
         """Start each source's average at its measured acceptance (a level's agreement), where it has none yet."""
+        self.memo.clear()
         for source, rate in measured.items():
             if source not in self.overall:
                 self.overall[source] = min(self.cfg.ceil, max(self.cfg.floor, rate))
@@ -77,10 +80,16 @@ class AcceptanceTracker:
     def estimate(self, source: str, belief: float) -> float:
         """Probability that a token from `source` with this belief is accepted, given its parent is."""
         key = (source, self.bucket(source, belief))
+        known = self.memo.get(key)
+        if known is not None:
+            return known
         if key not in self.rates or source not in self.overall:
-            return self._rate(key)
-        n = sum(t for t, _ in self.recent[key])  # tested tokens in the bucket's window
-        return (n * self.rates[key] + self.cfg.shrink * self.overall[source]) / (n + self.cfg.shrink)
+            est = self._rate(key)
+        else:
+            n = sum(t for t, _ in self.recent[key])  # tested tokens in the bucket's window
+            est = (n * self.rates[key] + self.cfg.shrink * self.overall[source]) / (n + self.cfg.shrink)
+        self.memo[key] = est
+        return est
 
     def _rate(self, key: tuple[str, int]) -> float:
         """A bucket's estimate; a bucket not seen yet starts from its source's average where that exists."""
@@ -96,6 +105,7 @@ class AcceptanceTracker:
     def update(self, outcomes: list[tuple[str, float, bool]]) -> None:
         """One verification's tested tokens: (source, belief, accepted)."""
         lam, lo, hi = self.cfg.lam, self.cfg.floor, self.cfg.ceil
+        self.memo.clear()
         groups: dict[tuple[str, int], list[int]] = {}
         per_source: dict[str, list[int]] = {}
         for source, belief, ok in outcomes:

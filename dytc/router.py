@@ -56,16 +56,16 @@ import torch
 from dsia.levels import Level, reads_kv_of
 
 from .acceptance import AcceptanceTracker
-from .latency import TARGET_LEVEL, LatencyModel
+from .costs import COST_REFRESH_STEPS, cost_tables
+from .latency import TARGET_LEVEL
 from .ngram import Lookup, new_lookup
 from .policies import DraftContext, Policy
 from .router_step import Action, Node, RouterConfig, Step, consecutive_runs, geometric
 from .sources import LOOKUPS, OVERRULED, overruled, sibling
-from .tree import DraftTree, ancestor_mask, depths
+from .tree import DraftTree, ancestor_rows, is_chain
 
-GUESS_VERIFY_MS = (50.0, 1.0)  # before any verification is timed: V(N) = a + b (N - 1) ms, replaced after one step
-GUESS_LEVEL_SHARE = 0.5  # a level never profiled nor run costs this share of a verification of as many tokens
-MIN_MS = 1e-3  # floor of every predicted time (a fitted line can dip below zero far from its data)
+WORSE_K_STOP = 3  # a segment's length k stops growing after its predicted rate fell this many times in a row
+REVIEW_MIN_GAIN = 0.05  # a review stops taking more copied tokens once the next adds fewer expected tokens
 OVERHEAD_WEIGHT = 0.1  # weight of a step's measured router time in the running mean O (about the last ten steps)
 
 
@@ -90,6 +90,8 @@ class DyTC(Policy):
         self.last_drafted: dict[str, int] = {name: 0 for name in self.levels}  # level -> the step it last drafted in
         self.explore_steps, self.explore_loss = 0, 0.0  # steps a level was forced into; throughput they gave up
         self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
+        self.tables: tuple[int, list[float], dict[str, list[float]]] | None = None  # (step predicted at, verify_ms,
+        # level_ms): the cost tables, predicted again every COST_REFRESH_STEPS steps
 
     # ------------------------------------------------------------------ lifecycle
     def begin(self, ctx: DraftContext) -> None:
@@ -128,36 +130,18 @@ class DyTC(Policy):
                 "explore_loss": round(self.explore_loss / max(self.explore_steps, 1), 4),
                 "estimate_origins": {s: self.tracker.origins[s] for s in self.levels if s in self.tracker.origins}}
 
-    # ------------------------------------------------------------------ costs
-    def costs(self, latency: LatencyModel | None, context: int, n_max: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """This step's cost tables: verification ms by node count, and each level's forward ms by token count
-        ([n_max + 1] each, index 0 unused)."""
-        T = np.arange(1, n_max + 1)
-        if self.cfg.constant_cost is not None:  # ablation: no predictor; costs in units of one target step
-            flat = np.concatenate([[0.0], np.full(n_max, self.cfg.constant_cost)])
-            return np.concatenate([[0.0], np.ones(n_max)]), {name: flat for name in self.levels}
-        rows = latency.spec.feature_rows(T, context, True) if latency is not None else None  # [n_max, F] shared
-        if latency is not None and latency.known(TARGET_LEVEL):
-            v = latency.predict_mean(TARGET_LEVEL, T, context, tree=True, rows=rows)
-            v[0] = latency.predict_mean(TARGET_LEVEL, T[:1], context, tree=False)[0]
-        else:  # nothing measured yet: a flat guess, replaced after the first verification
-            v = GUESS_VERIFY_MS[0] + GUESS_VERIFY_MS[1] * (T - 1)
-        verify_ms = np.concatenate([[0.0], np.maximum(v, MIN_MS)])
-        level_ms = {}
-        for name in self.levels:
-            if latency is not None and latency.known(name):
-                c = latency.predict_mean(name, T, context, tree=True, rows=rows)
-            else:  # not profiled and not run yet: a share of a target step, until its first forward is timed
-                c = GUESS_LEVEL_SHARE * verify_ms[T]
-            level_ms[name] = np.concatenate([[0.0], np.maximum(c, MIN_MS)])
-        return verify_ms, level_ms
-
     def new_step(self, ctx: DraftContext, n_max: int) -> Step:
-        """A step holding the root alone, with this step's cost tables; its time spent starts at O."""
-        verify_ms, level_ms = self.costs(ctx.latency, ctx.cache.length, n_max)
+        """A step holding the root alone, with the cost tables (predicted again where COST_REFRESH_STEPS have passed
+        or they are too short for n_max nodes); its time spent starts at O."""
+        if self.tables is None or self.steps - self.tables[0] >= COST_REFRESH_STEPS or len(self.tables[1]) <= n_max:
+            verify_ms, level_ms = cost_tables(ctx.latency, list(self.levels), ctx.cache.length, n_max,
+                                              self.cfg.constant_cost)
+            measured = ctx.latency is not None and all(map(ctx.latency.known, [TARGET_LEVEL, *self.levels]))
+            self.tables = (self.steps if measured else -COST_REFRESH_STEPS,  # (guesses: predicted again next step)
+                           verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
         overhead = self.overhead_ms if self.cfg.step_overhead and self.cfg.constant_cost is None else 0.0
-        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], verify_ms.tolist(),
-                    {name: ms.tolist() for name, ms in level_ms.items()}, spent=overhead)
+        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], self.tables[1], self.tables[2],
+                    spent=overhead)
 
     # ------------------------------------------------------------------ drafting
     def draft(self, ctx: DraftContext) -> DraftTree:
@@ -222,9 +206,10 @@ class DyTC(Policy):
         """The action with the best resulting throughput over the most probable nodes (None: no node can grow);
         only: the best action of that level alone."""
         tree, max_depth = step.tree, ctx.room - 1
-        has_child = [False] * len(tree)
+        children: list[set[int]] = [set() for _ in range(len(tree))]  # per node: its children's tokens
         for c in range(1, len(tree)):
-            has_child[tree.parents[c]] = True
+            children[tree.parents[c]].add(tree.tokens[c])
+        has_child = [bool(c) for c in children]
         best: Action | None = None
         expected = step.expected  # E of the tree as it is (every action below is valued against it)
         seen = {True: 0, False: 0}  # expandable leaves / inner nodes (sibling offers) considered so far
@@ -237,7 +222,7 @@ class DyTC(Policy):
                 node.proposals = {name: lk.propose_after(path, self.cfg.lookup_tokens)
                                   for name, lk in self.lookups.items()}
             considered = False
-            for act in self._level_actions(step, expected, n, not has_child[n], n_max, max_depth):
+            for act in self._level_actions(step, expected, n, children[n], n_max, max_depth):
                 considered = True
                 if only is None or act.source == only:
                     best = act if best is None or act.rate > best.rate else best
@@ -250,15 +235,16 @@ class DyTC(Policy):
                 break
         return best
 
-    def _level_actions(self, step: Step, expected: float, n: int, leaf: bool, n_max: int,
+    def _level_actions(self, step: Step, expected: float, n: int, taken: set[int], n_max: int,
                        max_depth: int) -> Iterator[Action]:
-        """Each level extending node n by k tokens (module docstring): from its known distribution at n (no
-        forward), or at a leaf by a forward over the pending path, optionally reviewing a lookup's proposal."""
-        node, N, verify_ms = step.nodes[n], len(step.tree), step.verify_ms
+        """Each level extending node n (whose children hold the tokens `taken`) by k tokens (module docstring): from
+        its known distribution at n (no forward), or at a leaf by a forward over the pending path, optionally
+        reviewing a lookup's proposal."""
+        node, N, verify_ms, leaf = step.nodes[n], len(step.tree), step.verify_ms, not taken
         limit = min(self.cfg.lookahead, n_max - N, max_depth - node.depth)
         for name in self.levels:
             cost_ms, accept = step.level_ms[name], self.tracker.mean(name)
-            offer = self._offer(step, n, name)
+            offer = self._offer(step, n, name, taken)
             if offer is not None:  # the first token is known already: no forward
                 variants = [(0, "", 1.0, self.tracker.estimate(offer[2], offer[1]), 0.0)]
             elif leaf:
@@ -276,10 +262,13 @@ class DyTC(Policy):
                 grow = accept ** (int(first_tokens) + 1) * (1 - frac + frac * accept)
                 spent = step.spent + first_cost - cost_ms[1]  # (the k-th token's forward added below)
                 nodes = N + int(round(first_tokens)) - 1  # tree size after the segment, less k
+                worse = 0
                 for k in range(1, math.floor(limit - first_tokens) + 2):  # t = first + k - 1 <= limit (first >= 1)
                     rate = (expected + scale * geo) / (spent + k * cost_ms[1] + verify_ms[nodes + k])
                     if rate > best_rate:
-                        best_rate, best_k = rate, k
+                        best_rate, best_k, worse = rate, k, 0
+                    elif (worse := worse + 1) >= WORSE_K_STOP:
+                        break
                     geo += grow
                     grow *= accept
                 if best_k:
@@ -297,6 +286,8 @@ class DyTC(Policy):
         for lookup, (tokens, match) in (step.nodes[n].proposals or {}).items():
             agree, reviewed = self.tracker.estimate(lookup, match), 0.0
             for r in range(1, min(len(tokens), self.cfg.review_tokens, n_max - len(step.tree) - 1) + 1):
+                if agree ** r < REVIEW_MIN_GAIN:
+                    break
                 reviewed += agree ** r
                 variants.append((r, lookup, 1.0 + reviewed, accept, cost_ms[min(pending + r, len(cost_ms) - 1)]))
         return variants
@@ -320,14 +311,16 @@ class DyTC(Policy):
         """Nodes on the path to n whose KV `level` cannot read (they need its forward first)."""
         return [i for i in step.tree.path_to(n) if not reads_kv_of(level, self.levels.get(step.nodes[i].kv))]
 
-    def _offer(self, step: Step, n: int, level: str) -> tuple[int, float, str] | None:
-        """The best token of level's known distribution at n that is not yet a child of n: (token, its draft
-        probability, its source: the level for its top-1 token, sibling(level) for the others)."""
+    def _offer(self, step: Step, n: int, level: str, taken: set[int] | None = None) -> tuple[int, float, str] | None:
+        """The best token of level's known distribution at n that is not yet a child of n (taken: the tokens of
+        n's children, where the caller has them): (token, its draft probability, its source: the level for its
+        top-1 token, sibling(level) for the others)."""
         dist = step.nodes[n].dists.get(level)
         if dist is None:
             return None
-        tree = step.tree
-        taken = {tree.tokens[c] for c in range(1, len(tree)) if tree.parents[c] == n}
+        if taken is None:
+            tree = step.tree
+            taken = {tree.tokens[c] for c in range(1, len(tree)) if tree.parents[c] == n}
         for rank, (tok, prob) in enumerate(zip(*dist)):
             if tok not in taken:
                 return tok, prob, level if rank == 0 else sibling(level)
@@ -368,8 +361,9 @@ class DyTC(Policy):
         level, tree, dev = self.levels[name], step.tree, ctx.model.device
         L, cost_ms = ctx.cache.length, step.level_ms[name]
         for a, b in consecutive_runs(pending):
-            mask = ancestor_mask(tree.parents[:b], dev)[a:b]  # [T, b]
-            positions = [L + d for d in depths(tree.parents[:b])[a:b]]  # [T]
+            mask = None if is_chain(tree.parents[:b]) else ancestor_rows(tree.parents[:b], a, dev)  # [T, b]; None:
+            # causal (every earlier slot an ancestor)
+            positions = [L + step.nodes[i].depth for i in range(a, b)]  # [T]
             logits, ms = ctx.run_level(level, tree.tokens[a:b], torch.tensor(positions, device=dev), L + a,
                                        mask)  # [T, V]
             top_p, top_i = ctx.draft_top(logits, positions, self.cfg.top_k)  # [T, k]

@@ -69,6 +69,19 @@ def ancestor_mask(parents: list[int], device: torch.device | str = "cpu") -> Ten
     return torch.tensor(rows, dtype=torch.bool, device=device).reshape(n, n)
 
 
+def ancestor_rows(parents: list[int], start: int, device: torch.device | str = "cpu") -> Tensor:
+    """[N - start, N] bool: the rows of ancestor_mask(parents) from node `start` on, without building the others
+    (a draft forward over the last nodes of a tree)."""
+    n, rows = len(parents), []
+    for i in range(start, n):
+        row, j = [False] * n, i
+        while j >= 0:
+            row[j] = True
+            j = parents[j]
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool, device=device).reshape(n - start, n)
+
+
 def depths(parents: list[int]) -> list[int]:
     """[N] each node's depth (the root's is 0). Parents must precede children."""
     d = [0] * len(parents)

@@ -39,6 +39,9 @@ from .usercache import digest, locked, read_json, write_json
 if TYPE_CHECKING:
     from .engine import Engine
 
+COST_MARGIN = 0.1  # a level must cost this fraction less than a more accurate one to be routed beside it: a smaller
+# saving is within the cost ratio's noise (medians of 7 forwards; 3-7% between planes on the AMD EPYC) and below what
+# exploring and valuing one more level costs the router
 PLANE_VERSION = 1  # bumped when what a plane file holds changes (older files are measured again)
 # the candidates on a CPU: the quantized bodies with the int4r head (int4 with the reduced vocabulary too) and the
 # bfloat16 copy; skip, exit and sparsity levels drafted far less exactly there (`casspec levels`, README)
@@ -98,16 +101,16 @@ class Plane:
     @property
     def routed(self) -> tuple[str, ...]:
         """The levels dytc routes: up to `top`, best ranked first, leaving out a level dominated by one taken before
-        it: no cheaper and no more accurate beyond the measurement's noise (two standard errors of a binomial
-        agreement over `scored` tokens). Such a level only costs the router exploration and valuation: on the AMD
-        EPYC int8 agreed like int4 (0.979 both, 94 tokens) at 1.3x its cost, and the oracle replay found dytc
-        drafting hundreds of tokens with it that int4 would have drafted for less."""
+        it: not cheaper by COST_MARGIN and not more accurate beyond the measurement's noise (two standard errors of
+        a binomial agreement over `scored` tokens). Such a level only costs the router exploration and valuation:
+        on the AMD EPYC int8 agreed like int4 (0.979 both, 94 tokens) at 1.3x its cost, and the oracle replay found
+        dytc drafting hundreds of tokens with it that int4 would have drafted for less."""
         out: list[Ranked] = []
         for r in self.ranked:
             if len(out) == self.top:
                 break
-            if not any(r.cost_ratio >= o.cost_ratio and r.agreement <= o.agreement + self._noise(o.agreement)
-                       for o in out):
+            if not any(r.cost_ratio > (1.0 - COST_MARGIN) * o.cost_ratio
+                       and r.agreement <= o.agreement + self._noise(o.agreement) for o in out):
                 out.append(r)
         return tuple(r.name for r in out)
 

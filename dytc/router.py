@@ -60,7 +60,7 @@ from .costs import COST_REFRESH_STEPS, cost_tables
 from .latency import TARGET_LEVEL
 from .ngram import Lookup, new_lookup
 from .policies import DraftContext, Policy
-from .router_step import Action, Node, RouterConfig, Step, consecutive_runs, geometric
+from .router_step import Action, Node, RouterConfig, Step, consecutive_runs, geometric, unused_proposals
 from .sources import LOOKUPS, OVERRULED, overruled, sibling
 from .tree import DraftTree, ancestor_rows, is_chain
 
@@ -89,6 +89,7 @@ class DyTC(Policy):
         self.measured_draft_ms = 0.0
         self.last_drafted: dict[str, int] = {name: 0 for name in self.levels}  # level -> the step it last drafted in
         self.explore_steps, self.explore_loss = 0, 0.0  # steps a level was forced into; throughput they gave up
+        self.free_tests = 0  # lookup tokens tested without being drafted (_unused_proposals)
         self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
         self.tables: tuple[int, list[float], dict[str, list[float]]] | None = None  # (step predicted at, verify_ms,
         # level_ms): the cost tables, predicted again every COST_REFRESH_STEPS steps
@@ -110,7 +111,9 @@ class DyTC(Policy):
                 o = self.outcomes.setdefault(nodes[n].source, [0, 0])
                 o[0] += 1
                 o[1] += int(n in on_path)
-        self.tracker.update(outcomes)
+        free = unused_proposals(self.step, emitted)
+        self.free_tests += len(free)
+        self.tracker.update(outcomes + free)
         for lv in self.levels.values():
             lv.observe(ctx.model, ctx.cache, ctx.history, emitted)
         for lookup in self.lookups.values():
@@ -125,6 +128,7 @@ class DyTC(Policy):
                 "tested_by_source": {s: n for s, (n, _) in self.outcomes.items()},
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
                 "predicted_draft_ms": round(self.predicted_draft_ms, 1), "explore_steps": self.explore_steps,
+                "free_tests": self.free_tests,
                 "overhead_ms": round(self.overhead_ms, 2),
                 "measured_draft_ms": round(self.measured_draft_ms, 1),
                 "explore_loss": round(self.explore_loss / max(self.explore_steps, 1), 4),

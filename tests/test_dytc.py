@@ -423,6 +423,38 @@ def test_maxgram_drafts_at_the_bottom_of_vc_and_dytc():
     assert not {s.rstrip("!") for s in none.stats.policy["drafted_by_source"]} & {PLD, MAXGRAM}
 
 
+def test_a_lookups_proposal_at_the_root_is_tested_for_free_when_not_drafted():
+    from dytc.router_step import Node, Step, unused_proposals
+    from dytc.tree import DraftTree
+
+    step = Step(DraftTree.root(4), [Node("root", 1.0, 1.0, 0)], [0.0, 1.0], {})
+    step.nodes[0].proposals = {MAXGRAM: ([5, 6, 7], 3), PLD: ([5, 9], 2)}
+    step.add(0, 5, "int4", 0.9, 0.9)  # the level drafted the same first token: the lookups were not drafted
+    emitted = [5, 6, 8, 2]  # the step's emitted tokens, bonus included
+    free = unused_proposals(step, emitted)
+    # each proposal as a chain of drafts: tested while the tokens before it matched
+    assert free == [(MAXGRAM, 3, True), (MAXGRAM, 3, True), (MAXGRAM, 3, False), (PLD, 2, True), (PLD, 2, False)]
+    step.add(0, 9, PLD + "!", 2, 0.1)  # a lookup drafted at the root (overruled or not) is tested as drafted
+    assert [o[0] for o in unused_proposals(step, emitted)] == [MAXGRAM] * 3
+    # a low estimate of a lookup that is never drafted still moves with its free tests
+    tr = AcceptanceTracker()
+    for _ in range(3):
+        tr.update([(MAXGRAM, 5, False)])
+    low = tr.estimate(MAXGRAM, 5)
+    for _ in range(5):
+        tr.update([(MAXGRAM, 5, True)] * 10)
+    assert low < 0.2 < 0.8 < tr.estimate(MAXGRAM, 5)
+
+
+def test_dytc_reports_its_free_tests_of_the_lookups():
+    e = tiny_engine("llama", 2)
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
+    ar = e.generate_ids(prompt, Request(max_new_tokens=40))
+    r = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", bottom="maxgram"))
+    assert r.token_ids == ar.token_ids
+    assert r.stats.policy["free_tests"] > 0
+
+
 def test_a_maxgram_segment_drafts_in_hc():
     e = tiny_engine("llama", 2)
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]

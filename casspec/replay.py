@@ -5,8 +5,8 @@ method's regret against the best static policy and the per-step oracle, per ques
 
     python scripts/oracle_replay.py --questions ../shared/specbench/dev.jsonl --per-category 2 --out results/replay
 
-Every question's first turn, greedy, float32 (the live methods' outputs must equal `ar`'s: a divergence is
-reported, and its question left out of the replay).
+Every turn of every question (a later turn with ar's earlier answers as history, as the bench runs it), greedy,
+float32; the live methods' outputs must equal `ar`'s (a divergence stops the run: it would be a lossless bug).
 """
 from __future__ import annotations
 
@@ -123,10 +123,10 @@ def _costs(engine: Engine, levels: list[str], context: int) -> tuple[list[list[f
     return table(TARGET_LEVEL), {name: table(name) for name in levels}
 
 
-def record(engine: Engine, q: Question, levels: list[str], max_new_tokens: int, methods=LIVE_METHODS) -> Recording:
-    """One question's recording: live runs of `methods` (the first, ar, gives y), then the teacher-forced ranks
-    and lookups, and the cost tables at the middle of the output."""
-    prompt = engine.encode([{"role": "user", "content": q.turns[0]}])
+def record(engine: Engine, prompt: list[int], q: Question, turn: int, levels: list[str], max_new_tokens: int,
+           methods: tuple[str, ...] = LIVE_METHODS) -> Recording:
+    """One turn's recording: live runs of `methods` on the prompt ids (the first, ar, gives y), then the
+    teacher-forced ranks and lookups, and the cost tables at the middle of the output."""
     live, seconds, outputs = {}, {}, {}
     for m in methods:
         engine.forget_prefix()
@@ -138,13 +138,25 @@ def record(engine: Engine, q: Question, levels: list[str], max_new_tokens: int, 
     y = outputs[methods[0]]
     diverged = [m for m in methods if outputs[m] != y]
     if diverged:
-        raise RuntimeError(f"question {q.question_id}: {', '.join(diverged)} emitted other tokens than "
-                           f"{methods[0]}")
+        raise RuntimeError(f"question {q.question_id} turn {turn + 1}: {', '.join(diverged)} emitted other tokens "
+                           f"than {methods[0]}")
     ranks = {name: _ranks(engine, name, prompt, y) for name in levels}
     proposed, match = _lookups(LOOKUPS, prompt, y, engine.eos_ids)
     verify, level = _costs(engine, levels, len(prompt) + len(y) // 2)
     return Recording(str(q.question_id), q.category, len(prompt), y, ranks, proposed, match, verify, level,
-                     live, seconds)
+                     live, seconds, turn)
+
+
+def record_question(engine: Engine, q: Question, levels: list[str], max_new_tokens: int) -> list[Recording]:
+    """Every turn of a question, as the bench runs it: a later turn's prompt holds the earlier turns and ar's
+    answers to them (every method's, in float32)."""
+    messages: list[dict] = []
+    out = []
+    for i, text in enumerate(q.turns):
+        messages.append({"role": "user", "content": text})
+        out.append(record(engine, engine.encode(messages), q, i, levels, max_new_tokens))
+        messages.append({"role": "assistant", "content": engine.decode(out[-1].target)})
+    return out
 
 
 def evaluate(r: Recording) -> dict:
@@ -154,7 +166,7 @@ def evaluate(r: Recording) -> dict:
     best_static = min(static, key=static.get)
     best_live = min((m for m in STATIC_LIVE if m in live), key=lambda m: live[m][0], default=None)
     o_ms, o_steps, o_used = oracle(r)
-    return {"question_id": r.question_id, "category": r.category, "tokens": r.steps_needed,
+    return {"question_id": r.question_id, "turn": r.turn, "category": r.category, "tokens": r.steps_needed,
             "live_ms": {m: v[0] for m, v in live.items()}, "own_ms": {m: v[1] for m, v in live.items()},
             "steps": {m: v[2] for m, v in live.items()}, "measured_s": dict(r.live_seconds),
             "best_live_static": best_live, "best_offline_static": best_static,
@@ -164,7 +176,7 @@ def evaluate(r: Recording) -> dict:
 
 def report(rows: list[dict]) -> str:
     """The regret table (markdown): per category, speed ratios (time of the other / time of dytc; geometric means
-    over questions): dytc against the best fixed method of each question (run live, costed by the model), against
+    over turns): dytc against the best fixed method of each turn (run live, costed by the model), against
     the best fixed offline policy, and the per-step oracle against dytc; then the same against the best fixed
     method with each side's measured own time added; and the own time per step of dytc and vc."""
     def gmean(v: list[float]) -> float:
@@ -183,7 +195,7 @@ def report(rows: list[dict]) -> str:
             "dytc own ms / step": lambda r: r["own_ms"][ROUTER] / r["steps"][ROUTER],
             "vc own ms / step": lambda r: r["own_ms"]["vc"] / r["steps"]["vc"]}
     keys = {k: f for k, f in keys.items() if all(_usable(f, r) for r in rows)}
-    lines = ["| category | questions | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    lines = ["| category | turns | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for cat in sorted({r["category"] for r in rows}) + ["all"]:
         sel = [r for r in rows if cat in ("all", r["category"])]
         cells = [f"{gmean([f(r) for r in sel]):.3f}" for f in keys.values()]
@@ -228,9 +240,10 @@ def run(engine: Engine, questions: list[Question], levels: list[str], max_new_to
     with open(out / "recordings.jsonl", "w") as f:
         for q in tqdm(questions, desc="replay", unit="q", file=sys.stderr):
             with torch.inference_mode():
-                r = record(engine, q, levels, max_new_tokens)
-            f.write(json.dumps(asdict(r)) + "\n")
-            rows.append(evaluate(r))
+                turns = record_question(engine, q, levels, max_new_tokens)
+            for r in turns:
+                f.write(json.dumps(asdict(r)) + "\n")
+                rows.append(evaluate(r))
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
     return rows
 

@@ -1,8 +1,8 @@
 """Offline replay of drafting policies over a teacher-forced recording: the oracle replay that audits the router
 (issue 31). casspec/replay.py records; this module only computes, from plain data.
 
-A `Recording` holds, for one prompt and the target's greedy output y[0..T-1] (y[0] comes from the prefill; a step
-at position j has y[j-1] as its root and drafts y[j], y[j+1], ...):
+A `Recording` holds, for one prompt (a question's turn) and the target's greedy output y[0..T-1] (y[0] comes from
+the prefill; a step at position j has y[j-1] as its root and drafts y[j], y[j+1], ...):
   - per level S, rank[j]: the rank of y[j] in S's distribution after y[:j] (0: S's top token), teacher-forced: one
     1-token forward of S over the target's KV of y[:j-1], exactly the first draft of a step at j. S's greedy chain
     from j equals y for about run_S(j) tokens, the consecutive positions from j where rank is 0 (inside the run S's
@@ -53,6 +53,7 @@ class Recording:
     level: dict[str, list[list[float]]]  # level -> [tree 0/1][n] predicted ms of its forward over n tokens
     live: dict[str, list[LiveStep]] = field(default_factory=dict)  # method -> its steps, run for real
     live_seconds: dict[str, float] = field(default_factory=dict)  # method -> measured generation seconds
+    turn: int = 0  # the question's turn (0: the first)
 
     @property
     def steps_needed(self) -> int:

@@ -1,6 +1,6 @@
 """The oracle replay (issue 31): audit the DyTC router's decisions against the fixed methods and a per-step oracle.
 
-Records, over each question's first turn (greedy, float32), the live steps of ar, sd, tree, vc, hc, vc+hc and dytc,
+Records, over every turn of each question (greedy, float32), the live steps of ar, sd, tree, vc, hc, vc+hc and dytc,
 and teacher-forced along the target's output what every level and lookup would have drafted at each position, with
 this machine's latency model as costs (casspec/replay.py, dytc/replay.py); then prints the regret table and writes
 out/recordings.jsonl, out/rows.json and out/replay.md.

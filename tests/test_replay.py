@@ -83,14 +83,17 @@ def test_recording_a_tiny_engine_gives_consistent_live_steps_and_ranks():
     import torch
 
     from casspec.bench import Question
-    from casspec.replay import LIVE_METHODS, evaluate, levels_of, record
+    from casspec.replay import LIVE_METHODS, evaluate, levels_of, record_question
     from tests.tiny import tiny_engine
 
     engine = tiny_engine()
-    q = Question(7, "demo", ["w5 w17 w33 w5 w17 w33 w5 w17 w40 w41"])
+    q = Question(7, "demo", ["w5 w17 w33 w5 w17 w33 w5 w17 w40 w41", "w9 w17 w33"])
     levels = levels_of(engine)
     with torch.inference_mode():
-        r = record(engine, q, levels, max_new_tokens=24)
+        first, second = record_question(engine, q, levels, max_new_tokens=24)
+    assert (first.turn, second.turn) == (0, 1)
+    assert second.context > first.context + len(first.target) - 1  # the second turn's prompt holds the first answer
+    r = first
     T = len(r.target)
     assert set(r.live) == set(LIVE_METHODS) and set(r.ranks) == set(levels)
     for m, steps in r.live.items():

@@ -264,6 +264,6 @@ def levels_plane(engine: Engine, key: dict, measure_now: bool, cfg: PlaneConfig 
             obj = dict(measure(engine, cfg, progress), key=key)
             write_json(path, obj)
             plane = from_json(obj, cfg)
-            # the candidates not chosen hold copies of the weights (bf16: half of them): free them
-            engine.levels.drop(r.name for r in plane.ranked if r.name not in plane.chosen)
+            # the candidates no method drafts with hold copies of the weights (bf16: half of them): free them
+            engine.levels.drop(r.name for r in plane.ranked if r.name not in plane.chosen + plane.routed)
     return plane

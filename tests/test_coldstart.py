@@ -127,7 +127,8 @@ def test_a_profile_is_made_on_first_use_cached_and_keyed(cache, tiny_auto, capsy
 
     e = tiny_engine(autoprofile=True)
     routed = default_levels(e.device.type, e.plane)  # the levels the default methods route (the levels plane's
-    assert tiny_auto == [routed] and len(routed) == 2  # choice, measured on this machine: not asserted here)
+    # choice, measured on this machine: not asserted here; hc's two best and the ones dytc routes)
+    assert tiny_auto == [routed] and set(routed) == set(e.plane.chosen) | set(e.plane.routed)
     assert e.latency_source.startswith("profile made on first use")
     assert {TARGET_LEVEL, *routed} <= set(e.latency.levels)
     assert "measuring one" in capsys.readouterr().err

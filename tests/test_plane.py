@@ -74,6 +74,11 @@ def test_dytc_leaves_out_a_level_dominated_beyond_the_measurements_noise():
     assert plane_of({"int4": (0.28, 0.98), "int4+vocab": (0.21, 0.89)}).routed == ("int4", "int4+vocab")
     assert plane_of({"int4": (0.2515, 0.9787), "int4+vocab": (0.2506, 0.8936)}).routed == ("int4",)
     assert Plane(p.ranked, p.verify_ratio, p.verify_tokens).routed == p.chosen  # agreement noise unknown
+    # the second best dominated, the third a different trade-off: dytc routes the first and third, hc takes the
+    # first two, and the levels measured and kept on first use are all three
+    p = plane_of({"int4": (0.28, 0.98), "int8": (0.33, 0.985), "int4+vocab": (0.20, 0.85)})
+    assert (p.chosen, p.routed) == (("int4", "int8"), ("int4", "int4+vocab"))
+    assert default_levels("cpu", p) == ("int4", "int8", "int4+vocab")
 
 
 def test_one_candidate_fills_what_it_can():
@@ -128,7 +133,7 @@ def test_first_use_measures_caches_and_chooses(cache, small_plane, monkeypatch):
     assert small_plane == [("int8", "int4+vocab", "bf16")]
     assert e.plane is not None and {r.name for r in e.plane.ranked} == {"int8", "int4+vocab", "bf16"}
     # the candidate not chosen is dropped with the copy only it held
-    assert set(e.levels.levels) == set(e.plane.chosen) and len(e.plane.chosen) == 2
+    assert set(e.levels.levels) == set(e.plane.chosen) | set(e.plane.routed) and len(e.plane.chosen) == 2
     held = {id(o) for lv in e.levels.levels.values() for o in lv.holds}
     assert {id(o) for o in e.levels.resources.built.values()} <= held  # (a level may hold more of its own)
     for r in e.plane.ranked:

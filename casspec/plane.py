@@ -13,8 +13,9 @@ model, dtype, the engine's build, and the candidates) and chooses from it:
   for c target steps per token, verified in one forward of k + 1 tokens costing v(k + 1) one-token steps, emits
   E = 1 + a + ... + a^k tokens per E / (k c + v(k + 1)) of a step: its predicted speedup over AR, at its best k.
 
-Levels are ranked by that speedup; `dytc` routes the first `top`, `vc` drafts with the first, and `hc`'s level
-segments take them in rank order (its lookup segments stay). Within a generation the router's acceptance
+Levels are ranked by that speedup; `dytc` routes up to `top` of them, best first, less any dominated by one before
+it (`Plane.routed`), `vc` drafts with the first, and `hc`'s level segments take the first `top` in rank order (its
+lookup segments stay). Within a generation the router's acceptance
 estimates and latency model refine online what the plane measured once. Without a plane (on a GPU, or not measured)
 the methods keep their fixed defaults (methods.default_sources).
 """

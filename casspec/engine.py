@@ -301,16 +301,16 @@ class Engine:
                      wrap: Callable[[Policy], Policy] | None = None) -> Result:
         """Generate from token ids (the bench and tests use this to skip templating). `wrap`: the caller's wrapper
         around the method's drafting policy (the oracle replay records each step through one)."""
-        for _ in self._stream(self._checked(list(prompt_ids)), req, wrap=wrap):
+        for _ in self.stream_ids(prompt_ids, req, wrap=wrap):
             pass
         return self.last_result
 
-    def stream_ids(self, prompt_ids: Sequence[int], req: Request,
-                   cancel: threading.Event | None = None) -> Iterator[str]:
+    def stream_ids(self, prompt_ids: Sequence[int], req: Request, cancel: threading.Event | None = None,
+                   wrap: Callable[[Policy], Policy] | None = None) -> Iterator[str]:
         """Generate from token ids, yielding text pieces as the steps commit them (the Result is then
         `engine.last_result`). Once `cancel` is set the generation stops after the step that is running
-        (finish_reason "cancelled"). The prompt is checked now, before the first step."""
-        return self._stream(self._checked(list(prompt_ids)), req, cancel)
+        (finish_reason "cancelled"). The prompt is checked now, before the first step. `wrap`: as generate_ids'."""
+        return self._stream(self._checked(list(prompt_ids)), req, cancel, wrap)
 
     def prompt_ids(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """The token ids of a prompt (see `encode`), checked to be non-empty and to fit the context window."""

@@ -70,7 +70,7 @@ class Recorder(Policy):
         step = self._step
         step.own_ms = self._own + (time.perf_counter() - t0) * 1e3 - (ctx.draft_ms - ms0)
         step.accepted = len(path) - 1
-        step.forwards = [tuple(f) for f in ctx.forwards[self._since:]]
+        step.forwards = ctx.forwards[self._since:]
         self.steps.append(step)
 
     def report(self) -> dict:
@@ -92,8 +92,8 @@ def _ranks(engine: Engine, name: str, prompt: list[int], y: list[int]) -> list[i
     1-token forward per position over the target's KV of y[:j - 1], as the first draft of a step at j runs."""
     ranks = [-1]
     for targets, (logits,) in teacher_forced(engine, engine.levels.get(name), prompt, y, [None], chunk=1):
-        hit = logits.float().gather(1, targets[:, None])  # [n, 1]
-        ranks += (logits.float() > hit).sum(-1).tolist()
+        rows = logits.float()  # [n, V]
+        ranks += (rows > rows.gather(1, targets[:, None])).sum(-1).tolist()
     return ranks
 
 

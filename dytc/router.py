@@ -89,7 +89,7 @@ class DyTC(Policy):
         self.measured_draft_ms = 0.0
         self.last_drafted: dict[str, int] = {name: 0 for name in self.levels}  # level -> the step it last drafted in
         self.explore_steps, self.explore_loss = 0, 0.0  # steps a level was forced into; throughput they gave up
-        self.free_tests = 0  # lookup tokens tested without being drafted (_unused_proposals)
+        self.free_tests = 0  # lookup tokens tested without being drafted (router_step.unused_proposals)
         self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
         self.tables: tuple[int, list[float], dict[str, list[float]]] | None = None  # (step predicted at, verify_ms,
         # level_ms): the cost tables, predicted again every COST_REFRESH_STEPS steps

@@ -39,6 +39,7 @@ class AcceptanceConfig:
     prior_lookup: float = 0.5  # start value of a lookup's per-source average (a 1-token match's n / (n + 1))
     prior_overruled: float = 0.1  # start value of a lookup token that a level disagreed with
     prior_sibling: float = 0.5  # a sibling's start value, as a fraction of a top-1 token's of the same probability
+    # (and its source's average, as a fraction of its level's miss rate: `mean`)
     floor: float = 0.01  # estimates never reach 0 or 1: a source can always win back trust
     ceil: float = 0.995
 
@@ -99,8 +100,18 @@ class AcceptanceTracker:
         return self.overall[key[0]] if key[0] in self.overall and not lookup else self._prior(*key)
 
     def mean(self, source: str) -> float:
-        """Acceptance of a typical token of `source` (for tokens not drafted yet)."""
-        return self.overall.get(source, self.cfg.prior_lookup if is_lookup(source) else self.cfg.prior_level)
+        """Acceptance of a typical token of `source` (for tokens not drafted yet). A sibling's, before any was
+        tested, is prior_sibling times its level's miss rate: it can be accepted only where the level's top-1 token
+        is not (it started at prior_level, and the buckets a level's siblings had not reached yet started there:
+        on the AMD EPYC int4's siblings were valued at 0.2-0.3 and drafted at up to 15 a step in a fresh engine,
+        none of 30 accepted)."""
+        if source in self.overall:
+            return self.overall[source]
+        if is_lookup(source):
+            return self.cfg.prior_lookup
+        if source.endswith(SIBLING):
+            return self.cfg.prior_sibling * (1.0 - self.mean(source.removesuffix(SIBLING)))
+        return self.cfg.prior_level
 
     def update(self, outcomes: list[tuple[str, float, bool]]) -> None:
         """One verification's tested tokens: (source, belief, accepted)."""

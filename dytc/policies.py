@@ -32,7 +32,7 @@ from torch import Tensor
 from dsia.kvcache import KVCache
 from dsia.levels import Level
 from dsia.model import Transformer
-from dsia.topk import top_k
+from dsia.topk import top_k_logsumexp
 
 from .latency import TARGET_LEVEL, LatencyModel
 from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, PromptLookup
@@ -95,9 +95,9 @@ class DraftContext:
         token at that position with, so the first is the target's own sample wherever the two perturbed argmaxes
         agree (a good level's do at about its greedy agreement; its plain argmax would match with probability
         p(x) only); the probabilities are the softmax of those perturbed scores (q itself where g = 0)."""
-        if not self.coupled:  # (one softmax, then its top k: 50 us a row over a 49k vocabulary against 63 taking
-            # the top logits first and their softmax after)
-            return top_k(torch.softmax(logits.float(), dim=-1), k)  # [T, k] each
+        if not self.coupled:  # (the top k logits and the row's log-sum-exp in one pass: dsia/topk.py)
+            values, tokens, lse = top_k_logsumexp(logits.float(), k)  # [T, k], [T, k], [T]
+            return (values - lse[:, None]).exp(), tokens
         return coupled_top(logits.cpu(), self.sampling, torch.stack([self.noise(p + 1) for p in positions]), k)
 
     def commit(self, emitted: list[int]) -> None:

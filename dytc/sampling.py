@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dsia.errors import CasspecError
-from dsia.topk import top_k
+from dsia.topk import top_k, top_k_logsumexp
 
 
 GREEDY_BELOW = 1e-4  # temperatures below this are greedy decoding (the warp's limit as T -> 0 is the argmax;
@@ -92,17 +92,19 @@ def coupled_top(logits: Tensor, params: SamplingParams, noise: Tensor, k: int,
     to a constant per row). The target's own token is drawn with `warp` (dytc.verify); a draft only has to match
     it, and does wherever the two perturbed argmaxes agree."""
     T, V = logits.shape
-    z = logits.float() / params.temperature  # [T, V] log q up to a constant per row (no effect on either result)
     if params.top_k == 0 and params.top_p == 1.0:  # temperature alone: every token in the support
+        z = logits.float() / params.temperature  # [T, V] log q up to a constant per row (no effect on either result)
         return _perturbed_top(z.double() + noise, k)
     if params.top_k > candidates or candidates >= V:
         return _perturbed_top(warp(logits, params).log().double() + noise, k)
-    cz, ci = top_k(z, candidates, CANDIDATES_BLOCK)  # [T, M] descending
+    top, ci, lse = top_k_logsumexp(logits.float(), candidates, 1.0 / params.temperature, CANDIDATES_BLOCK)  # [T, M]
+    # descending, [T, M], [T]: the candidates and log sum e^z of the whole row, z = logits / temperature
+    cz = top / params.temperature  # [T, M] z at the candidates (log q up to a constant per row)
     if 0 < params.top_k < candidates:
         cz[:, params.top_k:] = float("-inf")
     inside = torch.ones(T, dtype=torch.bool)  # [T] rows whose support lies within their candidates
     if params.top_p < 1.0:
-        norm = cz.logsumexp(-1, keepdim=True) if params.top_k > 0 else z.logsumexp(-1, keepdim=True)  # [T, 1]
+        norm = cz.logsumexp(-1, keepdim=True) if params.top_k > 0 else lse[:, None]  # [T, 1]
         p = (cz - norm).exp()  # [T, M] warped probabilities before top-p
         before = p.cumsum(-1) - p
         if params.top_k == 0:  # (a top-k within the candidates holds the nucleus)

@@ -61,6 +61,9 @@ def outputs() -> dict[str, torch.Tensor]:
     edge = torch.tensor([-100.0, -88.0, -20.0, 0.0, 1e-30, 20.0, 88.0, 100.0, -1e-3])  # e^-|g| under and at 1
     g = torch.cat((torch.randn(3, 37, generator=gen) * 4, edge.repeat(3, 1)), dim=1)  # [3, 46]: a tail past 32
     out["silu_mul"] = torch.ops.casspec.silu_mul(g, torch.randn(3, 46, generator=gen))
+    x = torch.randn(3, 1000, generator=gen) * 5  # a row's top k and log-sum-exp: blocks of 64 and a tail
+    values, indices, lse = torch.ops.casspec.row_top_lse(x, 9, 0.7)
+    out["row_top_lse"] = torch.cat([values, indices.float(), lse[:, None]], dim=1)
     return out
 
 
@@ -79,7 +82,7 @@ def run_child(tmp_path: Path, isa: str | None) -> dict[str, torch.Tensor]:
 def test_the_plain_and_avx2_paths_give_the_widest_paths_bits(tmp_path):
     """(On a machine without AVX-512 the avx2 child runs the widest path again; without AVX2, the plain one.)"""
     widest = run_child(tmp_path, None)
-    assert len(widest) == 12
+    assert len(widest) == 13
     for isa in ("avx2", "plain"):
         other = run_child(tmp_path, isa)
         assert other.keys() == widest.keys()

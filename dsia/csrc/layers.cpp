@@ -362,6 +362,9 @@ TORCH_LIBRARY(casspec, m) {
   m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int n, int isa=-1) -> Tensor", &casspec::block_linear);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias=None, int isa=-1) -> Tensor", &casspec::dense_linear);
   m.def("dense_pack(Tensor w) -> Tensor", &casspec::dense_pack);
+  m.def("machine_isa() -> int", &casspec::machine_isa_op);
+  m.def("row_top(Tensor x, int k) -> (Tensor, Tensor)", &casspec::row_top);
+  m.def("row_top_lse(Tensor x, int k, float scale) -> (Tensor, Tensor, Tensor)", &casspec::row_top_lse);
   m.def("dense_panels(Tensor x, Tensor panels, int N, Tensor? bias=None, int isa=-1) -> Tensor",
         &casspec::dense_panels);
   m.class_<Stack>("Stack")

@@ -11,6 +11,7 @@
 #include "ops.h"
 
 #include "fold512.h"
+#include "vec16.h"
 
 #include <ATen/Parallel.h>
 
@@ -26,49 +27,6 @@
 namespace casspec {
 namespace {
 
-constexpr int64_t kLanes = 16;
-typedef float v16 __attribute__((vector_size(64), aligned(4)));  // 16 floats, unaligned loads and stores
-typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));  // 16 bfloat16 values' bits
-typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
-
-[[gnu::always_inline]] inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// the n <= 16 floats at p, zeros after them (a row's tail goes through the same lanes as the rest)
-[[gnu::always_inline]] inline v16 load(const float* p, int64_t n) {
-  if (n == kLanes) {
-    return load(p);
-  }
-  v16 v = {};
-  for (int64_t i = 0; i < n; ++i) {
-    v[i] = p[i];
-  }
-  return v;
-}
-
-// the n <= 16 bfloat16 values (their bits) at p, widened exactly to float32 (the bits as a float's upper half),
-// zeros after them (16 in one load: widening them one by one was a quarter of a bfloat16 16-token forward)
-[[gnu::always_inline]] inline v16 load(const uint16_t* p, int64_t n) {
-  u16x16 bits = {};
-  std::memcpy(&bits, p, sizeof(uint16_t) * n);
-  const u32x16 wide = __builtin_convertvector(bits, u32x16) << 16;
-  return reinterpret_cast<const v16&>(wide);
-}
-
-[[gnu::always_inline]] inline void store(float* p, v16 v, int64_t n = kLanes) {
-  if (n == kLanes) {
-    std::memcpy(p, &v, sizeof(v));
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] = v[i];
-  }
-}
-
 // each lane rounded to bfloat16's precision (round_bf16, ops.h)
 [[gnu::always_inline]] inline v16 to_bf16(v16 v) {
   v16 out;
@@ -77,36 +35,6 @@ typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
     out[i] = round_bf16(v[i]);
   }
   return out;
-}
-
-// the lanes' sum, folded in halves: lane i + lane i + 8, then + 4, + 2, + 1
-[[gnu::always_inline]] inline float fold(v16 v) {
-  v = v + __builtin_shuffle(v, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v = v + __builtin_shuffle(v, i16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v = v + __builtin_shuffle(v, i16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v = v + __builtin_shuffle(v, i16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return v[0];
-}
-
-// e^x in every lane (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); 0 below -87.3
-[[gnu::always_inline]] inline v16 vexp(v16 x) {
-  const v16 big = v16{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  v16 n = (x * 1.44269504088896341f + big) - big;
-  v16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  i16 ni = __builtin_convertvector(n, i16);
-  i16 bits = (ni + 127) << 23;
-  v16 scaled = p * reinterpret_cast<v16&>(bits);
-  i16 under = x < -87.3f;  // -1 where e^x is below float's normal range
-  i16 kept = reinterpret_cast<i16&>(scaled) & ~under;
-  return reinterpret_cast<v16&>(kept);
 }
 
 // silu(g) * u in every lane: g * sigmoid(g) * u, sigmoid from e^-|g| (never overflows: 1 / (1 + e) at g >= 0,

@@ -18,6 +18,7 @@ constexpr int64_t kMaxHeadDim = 256;  // the widest attention head the ops take 
 // CASSPEC_ISA (plain | avx2 | avx512) where it is set, so any machine can run the plain path (tests, CI).
 enum Isa : int64_t { kAuto = -1, kPlain = 0, kAvx2 = 1, kAvx512 = 2 };
 Isa machine_isa();
+inline int64_t machine_isa_op() { return machine_isa(); }  // (torch.ops.casspec.machine_isa: the path in use)
 
 constexpr int64_t kRowBlock = 16;  // query rows an attention task takes together (each key read once for them)
 constexpr int64_t kPointwiseTask = 1 << 14;  // floats a thread's task of a row-wise op (norm, RoPE, silu) takes
@@ -57,6 +58,10 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 // dense_pack: w as the kernel reads it, panels [ceil(N / 64), K, 64] (made once per weight by its caller);
 // dense_panels: the product with them; dense_linear: the same product of w as it is (packed for the call)
 at::Tensor dense_pack(const at::Tensor& w);
+// the k largest entries of each row of x [T, V] float32 (descending; of equal ones the lower index first; NaN read as
+// -inf; rowtop.cpp): (values [T, k], indices [T, k] int64); row_top_lse also log(sum_j e^(scale x_j)) per row [T]
+std::tuple<at::Tensor, at::Tensor> row_top(const at::Tensor& x, int64_t k);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_top_lse(const at::Tensor& x, int64_t k, double scale);
 constexpr int64_t kDenseGroup = 64;  // outputs a group of the panels (dense.cpp: an AVX-512 tile's 4 vectors)
 // panels [ceil(N / 64), K, 64] of `dtype`, contiguous, on the CPU, as dense_pack makes them of a w [N, K], or an
 // error naming `what`

@@ -1,8 +1,8 @@
 """casspec's C++ library (csrc/): the layer loop, the ops of a float32 forward's small steps, the attention and the
 dense product (float32 and bfloat16: LIBRARY_DTYPES), the GGUF block product and a row's top k and log-sum-exp
 (drafts' next tokens), built once per machine with the system's C++ compiler and cached by
-torch.utils.cpp_extension (torch's extension cache rebuilds it when a source changes). Where it does not build (no compiler, no ninja), `build_error` says why, once, and every caller runs
-torch's own kernels instead."""
+torch.utils.cpp_extension (torch's extension cache rebuilds it when a source changes). Where it does not build (no
+compiler, no ninja), `build_error` says why, once, and every caller runs torch's own kernels instead."""
 from __future__ import annotations
 
 import contextlib

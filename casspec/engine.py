@@ -13,6 +13,7 @@ unfinished gets a CasspecError (waiting would deadlock). `last_result` is per th
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -506,7 +507,7 @@ class Engine:
     def _pick(logits: torch.Tensor, sampling: SamplingParams, noise: Noise | None, position: int) -> int:
         if sampling.greedy or noise is None:
             return int(logits[-1].argmax())
-        return coupled_sample(warp(logits[-1:].cpu(), sampling)[0], noise(position))
+        return coupled_sample(warp(logits[-1:].cpu(), sampling)[0], functools.partial(noise, position))
 
     @staticmethod
     def _accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,

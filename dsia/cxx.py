@@ -1,8 +1,8 @@
 """casspec's C++ library (csrc/): the layer loop, the ops of a float32 forward's small steps, the attention and the
-dense product (float32 and bfloat16: LIBRARY_DTYPES), the GGUF block product and a row's top k and log-sum-exp
-(drafts' next tokens), built once per machine with the system's C++ compiler and cached by
-torch.utils.cpp_extension (torch's extension cache rebuilds it when a source changes). Where it does not build (no
-compiler, no ninja), `build_error` says why, once, and every caller runs torch's own kernels instead."""
+dense product (float32 and bfloat16: LIBRARY_DTYPES), the GGUF block product, a row's top k and log-sum-exp (drafts'
+next tokens) and position-owned Gumbel noise (sampling), built once per machine with the system's C++ compiler and
+cached by torch.utils.cpp_extension (torch's extension cache rebuilds it when a source changes). Where it does not
+build (no compiler, no ninja), `build_error` says why, once, and every caller runs torch's own kernels instead."""
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +20,8 @@ from .errors import CasspecError
 
 LIBRARY_DTYPES = (torch.float32, torch.bfloat16)  # what the library's dense product and attention take (on a CPU)
 ISAS = ("plain", "avx2", "avx512")  # what the environment's CASSPEC_ISA may name: the widest path the ops run (ops.h)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("layers.cpp", "step.cpp", "ops.cpp", "blockq.cpp",
-                                                                       "dense.cpp", "rowtop.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("layers.cpp", "step.cpp", "ops.cpp", "blockq.cpp", "dense.cpp", "rowtop.cpp", "gumbel.cpp")]
 EXTENSION = "casspec_layers"  # the built library's name
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -80,10 +81,11 @@ def _outside_nucleus(probs: Tensor, top_p: float) -> Tensor:
     return ~keep
 
 
-def coupled_top(logits: Tensor, params: SamplingParams, noise: Tensor, k: int,
+def coupled_top(logits: Tensor, params: SamplingParams, noise: Callable[[int, Tensor | None], Tensor], k: int,
                 candidates: int = DRAFT_CANDIDATES) -> tuple[Tensor, Tensor]:
     """A coupled draft's k best tokens: the top k of log warp(q) + g per row, and the softmax of those perturbed
-    scores at them (probabilities, float32), [T, k] each; logits [T, V] of the draft, noise g [T, V] float64.
+    scores at them (probabilities, float32), [T, k] each; logits [T, V] of the draft, noise(j, tokens) row j's g at
+    tokens [n] (None: the whole row [V]), float64 (only the candidates' noise is drawn where they hold the support).
 
     The same tokens as `warp` over the whole row, but cheaper: where a row's warped support lies within its
     `candidates` most likely tokens (top-k no wider than them, or a nucleus they reach), only they are warped and
@@ -94,9 +96,9 @@ def coupled_top(logits: Tensor, params: SamplingParams, noise: Tensor, k: int,
     T, V = logits.shape
     if params.top_k == 0 and params.top_p == 1.0:  # temperature alone: every token in the support
         z = logits.float() / params.temperature  # [T, V] log q up to a constant per row (no effect on either result)
-        return _perturbed_top(z.double() + noise, k)
+        return _perturbed_top(z.double() + _rows(noise, range(T)), k)
     if params.top_k > candidates or candidates >= V:
-        return _perturbed_top(warp(logits, params).log().double() + noise, k)
+        return _perturbed_top(warp(logits, params).log().double() + _rows(noise, range(T)), k)
     top, ci, lse = top_k_logsumexp(logits.float(), candidates, 1.0 / params.temperature, CANDIDATES_BLOCK)  # [T, M]
     # descending, [T, M], [T]: the candidates and log sum e^z of the whole row, z = logits / temperature
     cz = top / params.temperature  # [T, M] z at the candidates (log q up to a constant per row)
@@ -110,12 +112,18 @@ def coupled_top(logits: Tensor, params: SamplingParams, noise: Tensor, k: int,
         if params.top_k == 0:  # (a top-k within the candidates holds the nucleus)
             inside = before[:, -1] >= params.top_p
         cz = cz.masked_fill(before >= params.top_p, float("-inf"))
-    probs, at = _perturbed_top(cz.double() + noise.gather(1, ci), k)  # [T, k]
+    probs, at = _perturbed_top(cz.double() + torch.stack([noise(j, ci[j]) for j in range(T)]), k)  # [T, k]
     tokens = ci.gather(1, at)
     if not bool(inside.all()):  # a nucleus wider than the candidates: those rows warped whole
         wide = (~inside).nonzero()[:, 0]
-        probs[wide], tokens[wide] = _perturbed_top(warp(logits[wide], params).log().double() + noise[wide], k)
+        probs[wide], tokens[wide] = _perturbed_top(warp(logits[wide], params).log().double()
+                                                   + _rows(noise, wide.tolist()), k)
     return probs, tokens
+
+
+def _rows(noise: Callable[[int, Tensor | None], Tensor], rows: Iterable[int]) -> Tensor:
+    """The whole rows' noise [len(rows), V]."""
+    return torch.stack([noise(j, None) for j in rows])
 
 
 def _perturbed_top(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:

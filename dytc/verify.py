@@ -11,11 +11,14 @@ passes q with the earlier siblings removed and renormalized) and p and q are war
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from dsia.cxx import build_error
 
 from .tree import DraftTree
 
@@ -65,49 +68,69 @@ def verify_sampling(tree: DraftTree, probs: Tensor, generator: torch.Generator |
         node = accepted
 
 
-def gumbel_noise(seed: int, position: int, vocab: int) -> Tensor:
-    """[V] standard Gumbel noise owned by one sequence position (a pure function of seed and position)."""
+def gumbel_noise(seed: int, position: int, vocab: int, tokens: Tensor | None = None) -> Tensor:
+    """Standard Gumbel noise owned by one sequence position, a pure function of (seed, position, token), float64:
+    at tokens [n] (int64 in 0..vocab-1), or the whole row [V] (None). casspec's op where its library is built
+    (csrc/gumbel.cpp: a counter-based draw, so the few tokens a sampler can pick cost microseconds, where a row cost
+    270 us); elsewhere a row of torch's generator seeded by (seed, position), indexed (one process draws all its
+    noise one way)."""
+    if own_noise():
+        return torch.ops.casspec.gumbel(seed % 2**63, position, tokens, vocab)
     gen = torch.Generator().manual_seed((seed * POSITION_STRIDE + position) % (2**63 - 1))
     u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
-    return -torch.log(-torch.log(u))
+    row = -torch.log(-torch.log(u))
+    return row if tokens is None else row[tokens]
+
+
+def own_noise() -> bool:
+    """Whether gumbel_noise draws with casspec's op (its library built)."""
+    return build_error() is None
 
 
 class Noise:
-    """The position-owned noise of one generation, each position's drawn once and read by both the drafting levels
-    (coupled drafting) and the verifier: the verifier's values are the reference, and these are they."""
+    """The position-owned noise of one generation, read by both the drafting levels (coupled drafting) and the
+    verifier: the verifier's values are the reference, and these are they. A position's whole row, once drawn, is
+    kept until the position is emitted; a few tokens' values are drawn on their own (the same values) where casspec's
+    op draws them, else read from the row."""
 
     def __init__(self, seed: int, vocab: int) -> None:
         self.seed, self.vocab = seed, vocab
-        self._at: dict[int, Tensor] = {}  # position -> [V] float64
+        self._rows: dict[int, Tensor] = {}  # position -> [V] float64
         self.seconds = 0.0  # time spent drawing
 
-    def __call__(self, position: int) -> Tensor:
-        g = self._at.get(position)
-        if g is None:
+    def __call__(self, position: int, tokens: Tensor | None = None) -> Tensor:
+        """The noise of position at tokens [n] (None: its whole row [V])."""
+        row = self._rows.get(position)
+        if row is None:
             t0 = time.perf_counter()
-            g = self._at[position] = gumbel_noise(self.seed, position, self.vocab)
+            if tokens is not None and own_noise():
+                values = gumbel_noise(self.seed, position, self.vocab, tokens)
+                self.seconds += time.perf_counter() - t0
+                return values
+            row = self._rows[position] = gumbel_noise(self.seed, position, self.vocab)
             self.seconds += time.perf_counter() - t0
-        return g
+        return row if tokens is None else row[tokens]
 
     def forget_before(self, position: int) -> None:
         """Drop the noise of positions already emitted (nothing reads it again)."""
-        for p in [p for p in self._at if p < position]:
-            del self._at[p]
+        for p in [p for p in self._rows if p < position]:
+            del self._rows[p]
 
 
-def coupled_sample(probs: Tensor, noise: Tensor) -> int:
-    """The Gumbel-max sample argmax(log p + g): distributed as p when g is fresh Gumbel noise. Where top-k or top-p
-    left few tokens, only they are scored (the same token: the others' log p is -inf)."""
+def coupled_sample(probs: Tensor, noise: Callable[[Tensor | None], Tensor]) -> int:
+    """The Gumbel-max sample argmax(log p + g): distributed as p when g is fresh Gumbel noise; noise(tokens): g at
+    tokens [n] (None: the whole row [V]). Where top-k or top-p left few tokens, only they are scored (the same token:
+    the others' log p is -inf), and only their noise is drawn."""
     support = None if bool(probs.min() > 0) else probs.nonzero()[:, 0]  # [S] ascending, as argmax breaks ties
     if support is None or len(support) * 4 > len(probs):
-        return int((probs.double().log() + noise).argmax())
-    return int(support[(probs[support].double().log() + noise[support]).argmax()])
+        return int((probs.double().log() + noise(None)).argmax())
+    return int(support[(probs[support].double().log() + noise(support)).argmax()])
 
 
-def verify_coupled(tree: DraftTree, probs: Tensor, noise: Callable[[int], Tensor],
+def verify_coupled(tree: DraftTree, probs: Tensor, noise: Callable[[int, Tensor | None], Tensor],
                    root_position: int) -> tuple[list[int], int]:
     """Sampling verification of deterministic drafts (q one-hot) by position-owned noise: the target's token after
-    a node at depth d is argmax(log p + g), g = noise(root_position + d + 1) (`Noise`: gumbel_noise(seed, ...)).
+    a node at depth d is argmax(log p + g), g = noise(root_position + d + 1, tokens) (`Noise`: gumbel_noise).
     Greedy verification against those tokens emits, at every position, a fresh sample of the target's
     distribution given the prefix (the noise of a position is independent of every other position's), so the
     output is distributed exactly as the target's own samples; and since the noise does not depend on the tree,
@@ -118,7 +141,7 @@ def verify_coupled(tree: DraftTree, probs: Tensor, noise: Callable[[int], Tensor
     children = tree.children()
     node, path, depth = 0, [0], 0
     while True:
-        t = coupled_sample(probs[node], noise(root_position + depth + 1))
+        t = coupled_sample(probs[node], functools.partial(noise, root_position + depth + 1))
         nxt = next((c for c in children[node] if tree.tokens[c] == t), None)
         if nxt is None:
             return path, t

@@ -216,7 +216,7 @@ def test_coupled_top_equals_the_whole_rows_warp(params):
     noise = torch.stack([gumbel_noise(3, p, V) for p in range(6)])  # [6, V]
     scores = warp(logits, params).log().double() + noise
     ref = scores.topk(k, dim=-1)
-    probs, tokens = coupled_top(logits, params, noise, k)
+    probs, tokens = coupled_top(logits, params, lambda j, t: gumbel_noise(3, j, V, t), k)
     live = ref.values > float("-inf")  # (past the support every token scores -inf: any order)
     assert torch.equal(tokens[live], ref.indices[live])
     assert torch.allclose(probs, (ref.values - scores.logsumexp(-1, keepdim=True)).exp().float(), atol=1e-6)
@@ -237,7 +237,8 @@ def test_coupled_sample_over_the_support_equals_the_whole_row(params):
     probs[0, [5, 9]] = 0.5  # a tie broken by the noise alone
     for i in range(len(probs)):
         noise = gumbel_noise(2, i, V)
-        assert coupled_sample(probs[i], noise) == int((probs[i].double().log() + noise).argmax())
+        assert coupled_sample(probs[i], functools.partial(gumbel_noise, 2, i, V)) == int(
+            (probs[i].double().log() + noise).argmax())
 
 
 def test_blocked_top_k_equals_torch_topk():

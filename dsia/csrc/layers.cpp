@@ -363,6 +363,7 @@ TORCH_LIBRARY(casspec, m) {
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias=None, int isa=-1) -> Tensor", &casspec::dense_linear);
   m.def("dense_pack(Tensor w) -> Tensor", &casspec::dense_pack);
   m.def("machine_isa() -> int", &casspec::machine_isa_op);
+  m.def("gumbel(int seed, int position, Tensor? tokens, int vocab) -> Tensor", &casspec::gumbel);
   m.def("row_top(Tensor x, int k) -> (Tensor, Tensor)", &casspec::row_top);
   m.def("row_top_lse(Tensor x, int k, float scale) -> (Tensor, Tensor, Tensor)", &casspec::row_top_lse);
   m.def("dense_panels(Tensor x, Tensor panels, int N, Tensor? bias=None, int isa=-1) -> Tensor",

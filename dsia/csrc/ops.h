@@ -62,6 +62,9 @@ at::Tensor dense_pack(const at::Tensor& w);
 // -inf; rowtop.cpp): (values [T, k], indices [T, k] int64); row_top_lse also log(sum_j e^(scale x_j)) per row [T]
 std::tuple<at::Tensor, at::Tensor> row_top(const at::Tensor& x, int64_t k);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_top_lse(const at::Tensor& x, int64_t k, double scale);
+// standard Gumbel noise of (seed, position) at tokens [n] int64 in 0..vocab-1, or at every token (tokens absent):
+// [n] or [vocab] float64, each value a pure function of (seed, position, token) (gumbel.cpp)
+at::Tensor gumbel(int64_t seed, int64_t position, const std::optional<at::Tensor>& tokens, int64_t vocab);
 constexpr int64_t kDenseGroup = 64;  // outputs a group of the panels (dense.cpp: an AVX-512 tile's 4 vectors)
 // panels [ceil(N / 64), K, 64] of `dtype`, contiguous, on the CPU, as dense_pack makes them of a w [N, K], or an
 // error naming `what`

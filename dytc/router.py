@@ -21,7 +21,8 @@ each, every source:
     bucket, when known) and a the level's mean acceptance (A*-like lookahead: the later tokens are not drafted
     yet), cost c_S(pending) + (k - 1) c_S(1) + V(N + k) - V(N);
   - a lookup (prompt lookup, Max-Gram) at a leaf n: the tokens it proposes after (history + path to n), valued
-    by its match-length bucket's estimate, costing only verification: V(N + k) - V(N).
+    by its match-length bucket's estimate (apart, and up to `held_lookup_tokens`, after a step over which its
+    proposal at the root held: a copy under way), costing only verification: V(N + k) - V(N).
 The action with the best resulting throughput (E + dE) / (D + dD + V(N + dN)) is taken if it beats the current
 E / (D + V(N)) (the marginal tokens per marginal millisecond exceed the tree's throughput); only its first token
 is drafted (a whole lookup proposal at once), then the round repeats with the new estimates. The tree stops
@@ -60,8 +61,9 @@ from .costs import COST_REFRESH_STEPS, cost_tables
 from .latency import TARGET_LEVEL
 from .ngram import Lookup, new_lookup
 from .policies import DraftContext, Policy
-from .router_step import Action, Node, RouterConfig, Step, consecutive_runs, geometric, unused_proposals
-from .sources import LOOKUPS, OVERRULED, overruled, sibling
+from .router_step import (Action, Node, RouterConfig, Step, consecutive_runs, geometric, held_lookups,
+                          unused_proposals)
+from .sources import LOOKUPS, OVERRULED, held, is_lookup, overruled, sibling
 from .tree import DraftTree, ancestor_rows, is_chain
 
 WORSE_K_STOP = 3  # a segment's length k stops growing after its predicted rate fell this many times in a row
@@ -79,26 +81,25 @@ class DyTC(Policy):
         self.lookups: dict[str, Lookup] = {}  # name -> lookup over this generation's history
         self.step: Step | None = None  # the step drafted last, which `observe` learns from
         self.fallbacks_in_row = 0
-        # per-generation report
-        self.fallback_steps = 0
-        self.steps = 0
+        self.fallback_steps, self.steps = 0, 0  # (this and what follows: the per-generation report)
         self.tree_sizes: list[int] = []
         self.drafted: dict[str, int] = {}  # source -> tokens in the verified trees
         self.outcomes: dict[str, list[int]] = {}  # source -> [tested, accepted] in this generation
-        self.predicted_draft_ms = 0.0
-        self.measured_draft_ms = 0.0
+        self.predicted_draft_ms, self.measured_draft_ms = 0.0, 0.0
         self.last_drafted: dict[str, int] = {name: 0 for name in self.levels}  # level -> the step it last drafted in
         self.explore_steps, self.explore_loss = 0, 0.0  # steps a level was forced into; throughput they gave up
         self.free_tests = 0  # lookup tokens tested without being drafted (router_step.unused_proposals)
+        self.held: set[str] = set()  # lookups whose proposal at the last step's root held over all it emitted
         self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
-        self.tables: tuple[int, list[float], dict[str, list[float]]] | None = None  # (step predicted at, verify_ms,
-        # level_ms): the cost tables, predicted again every COST_REFRESH_STEPS steps
+        self.tables: tuple[int, list[float], dict[str, list[float]]] | None = None  # the cost tables (step predicted
+        # at, verify_ms, level_ms), predicted again every COST_REFRESH_STEPS steps
 
     # ------------------------------------------------------------------ lifecycle
     def begin(self, ctx: DraftContext) -> None:
         for lv in self.levels.values():
             lv.begin(ctx.model, ctx.cache, ctx.history)
         self.lookups = {name: new_lookup(name, ctx.history, ctx.eos_ids) for name in self.cfg.lookups}
+        self.held = set()
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         assert self.step is not None and self.step.tree is tree, "observe the tree this router drafted last"
@@ -111,9 +112,10 @@ class DyTC(Policy):
                 o = self.outcomes.setdefault(nodes[n].source, [0, 0])
                 o[0] += 1
                 o[1] += int(n in on_path)
-        free = unused_proposals(self.step, emitted)
+        free = unused_proposals(self.step, emitted, self.held)
         self.free_tests += len(free)
         self.tracker.update(outcomes + free)
+        self.held = held_lookups(self.step, emitted)
         for lv in self.levels.values():
             lv.observe(ctx.model, ctx.cache, ctx.history, emitted)
         for lookup in self.lookups.values():
@@ -128,8 +130,7 @@ class DyTC(Policy):
                 "tested_by_source": {s: n for s, (n, _) in self.outcomes.items()},
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
                 "predicted_draft_ms": round(self.predicted_draft_ms, 1), "explore_steps": self.explore_steps,
-                "free_tests": self.free_tests,
-                "overhead_ms": round(self.overhead_ms, 2),
+                "free_tests": self.free_tests, "overhead_ms": round(self.overhead_ms, 2),
                 "measured_draft_ms": round(self.measured_draft_ms, 1),
                 "explore_loss": round(self.explore_loss / max(self.explore_steps, 1), 4),
                 "estimate_origins": {s: self.tracker.origins[s] for s in self.levels if s in self.tracker.origins}}
@@ -223,7 +224,8 @@ class DyTC(Policy):
                 continue
             if self.lookups and not has_child[n] and node.proposals is None:
                 path = [tree.tokens[i] for i in tree.path_to(n)[1:]]
-                node.proposals = {name: lk.propose_after(path, self.cfg.lookup_tokens)
+                node.proposals = {name: lk.propose_after(path, self.cfg.held_lookup_tokens if name in self.held
+                                                         else self.cfg.lookup_tokens)
                                   for name, lk in self.lookups.items()}
             considered = False
             for act in self._level_actions(step, expected, n, children[n], n_max, max_depth):
@@ -288,7 +290,7 @@ class DyTC(Policy):
         pending = len(self._pending(step, n, name))
         variants = [(0, "", 1.0, accept, cost_ms[min(pending, len(cost_ms) - 1)])]
         for lookup, (tokens, match) in (step.nodes[n].proposals or {}).items():
-            agree, reviewed = self.tracker.estimate(lookup, match), 0.0
+            agree, reviewed = self.tracker.estimate(self._source(lookup), match), 0.0
             for r in range(1, min(len(tokens), self.cfg.review_tokens, n_max - len(step.tree) - 1) + 1):
                 if agree ** r < REVIEW_MIN_GAIN:
                     break
@@ -300,7 +302,7 @@ class DyTC(Policy):
         """Each lookup's proposal at leaf n attached k tokens deep: no forward, only a larger verification."""
         node, N = step.nodes[n], len(step.tree)
         for lookup, (tokens, match) in (node.proposals or {}).items():
-            accept = self.tracker.estimate(lookup, match)
+            accept = self.tracker.estimate(self._source(lookup), match)
             gain, prob, best_rate, best_k = 0.0, node.p, 0.0, 0
             for k in range(1, min(len(tokens), n_max - N, max_depth - node.depth) + 1):
                 prob *= accept
@@ -311,6 +313,10 @@ class DyTC(Policy):
             if best_k:
                 yield Action(best_rate, n, lookup, best_k)
 
+    def _source(self, lookup: str) -> str:
+        """A lookup's source name this step: held(lookup) where its last root proposal held (a copy under way)."""
+        return held(lookup) if lookup in self.held else lookup
+
     def _pending(self, step: Step, n: int, level: str) -> list[int]:
         """Nodes on the path to n whose KV `level` cannot read (they need its forward first)."""
         return [i for i in step.tree.path_to(n) if not reads_kv_of(level, self.levels.get(step.nodes[i].kv))]
@@ -319,12 +325,10 @@ class DyTC(Policy):
         """The best token of level's known distribution at n that is not yet a child of n (taken: the tokens of
         n's children, where the caller has them): (token, its draft probability, its source: the level for its
         top-1 token, sibling(level) for the others)."""
-        dist = step.nodes[n].dists.get(level)
+        dist, tree = step.nodes[n].dists.get(level), step.tree
         if dist is None:
             return None
-        if taken is None:
-            tree = step.tree
-            taken = {tree.tokens[c] for c in range(1, len(tree)) if tree.parents[c] == n}
+        taken = {tree.tokens[c] for c in range(1, len(tree)) if tree.parents[c] == n} if taken is None else taken
         for rank, (tok, prob) in enumerate(zip(*dist)):
             if tok not in taken:
                 return tok, prob, level if rank == 0 else sibling(level)
@@ -334,19 +338,18 @@ class DyTC(Policy):
     def _execute(self, ctx: DraftContext, step: Step, act: Action) -> None:
         n, tracker = act.node, self.tracker
         if act.source in LOOKUPS:
-            tokens, match = step.nodes[n].proposals[act.source]
-            accept = tracker.estimate(act.source, match)
+            (tokens, match), source = step.nodes[n].proposals[act.source], self._source(act.source)
+            accept = tracker.estimate(source, match)
             for tok in tokens[:act.k]:
-                n = step.add(n, tok, act.source, match, step.nodes[n].p * accept)
+                n = step.add(n, tok, source, match, step.nodes[n].p * accept)
             return
         name = act.source
         if act.review:  # attach the copied tokens, run the level over them, drop those it disagrees with
             first_new = len(step.tree)
             tokens, match = step.nodes[n].proposals[act.reviewed]
-            leaf = n
+            leaf, source = n, self._source(act.reviewed)
             for tok in tokens[:act.review]:
-                leaf = step.add(leaf, tok, act.reviewed, match,
-                                 step.nodes[leaf].p * tracker.estimate(act.reviewed, match))
+                leaf = step.add(leaf, tok, source, match, step.nodes[leaf].p * tracker.estimate(source, match))
             self._run(ctx, step, name, self._pending(step, leaf, name))
             cut = next((i for i in range(first_new, len(step.tree)) if step.nodes[i].source.endswith(OVERRULED)),
                        len(step.tree))
@@ -387,7 +390,7 @@ class DyTC(Policy):
         tokens, probs = step.nodes[n].dists[name]
         for c in range(n + 1, len(step.tree)):
             node = step.nodes[c]
-            if step.tree.parents[c] != n or node.source not in LOOKUPS:
+            if step.tree.parents[c] != n or not is_lookup(node.source) or node.source.endswith(OVERRULED):
                 continue
             if step.tree.tokens[c] == tokens[0]:
                 node.source, node.belief = name, probs[0]

@@ -8,9 +8,10 @@ tokens of the step, D the predicted draft ms spent, V(N) the predicted verificat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection
 
 from .ngram import PLD_NUM_TOKENS
-from .sources import OVERRULED, PLD
+from .sources import PLD, base_lookup, held
 from .tree import DraftTree
 
 
@@ -24,6 +25,7 @@ class RouterConfig:
     expand_candidates: int = 4  # most probable expandable leaves, and inner nodes, considered each round
     top_k: int = 4  # tokens of a level's distribution kept per node it ran (sibling candidates)
     lookup_tokens: int = PLD_NUM_TOKENS  # most lookup tokens attached at once
+    held_lookup_tokens: int = 24  # the same for a lookup whose last proposal at the root held (sources.HELD)
     review_tokens: int = 6  # most lookup tokens a level's forward reviews at once
     fallback: bool = True  # verify the root alone when no tree is predicted to beat AR
     explore_every: int = 16  # after this many fallbacks in a row, draft one tree anyway
@@ -96,24 +98,33 @@ class Step:
                 self.nodes[c].p *= factor
 
 
-def unused_proposals(step: Step, emitted: list[int]) -> list[tuple[str, float, bool]]:
+def unused_proposals(step: Step, emitted: list[int], held_now: Collection[str] = ()) -> list[tuple[str, float, bool]]:
     """Free tests of the lookups, (source, match length, accepted) each: every lookup's proposal at the root that the
     step did not draft there, checked against the emitted tokens as a chain of its drafts would have been (a token
     is tested where the ones before it matched; exact under sampling too, where a drafted token is accepted iff it
     is the token the target emits). So a lookup's estimates keep learning while the router drafts with other
     sources: the oracle replay found Max-Gram's long-match bucket at 0.13 after one question where it failed, never
-    drafted again, while it proposed 10 right tokens a step on the next questions."""
+    drafted again, while it proposed 10 right tokens a step on the next questions. held_now: the lookups the step
+    counted as held (`sources.HELD`), whose tests are theirs."""
     tree = step.tree
-    drafted = {step.nodes[c].source.rstrip(OVERRULED) for c in range(1, len(tree)) if tree.parents[c] == 0}
+    drafted = {base_lookup(step.nodes[c].source) for c in range(1, len(tree)) if tree.parents[c] == 0}
     out = []
     for name, (tokens, match) in (step.nodes[0].proposals or {}).items():
         if name in drafted:
             continue
+        source = held(name) if name in held_now else name
         for token, target in zip(tokens, emitted):
-            out.append((name, match, token == target))
+            out.append((source, match, token == target))
             if token != target:
                 break
     return out
+
+
+def held_lookups(step: Step, emitted: list[int]) -> set[str]:
+    """The lookups whose proposal at the step's root equals the emitted tokens as far as both go (`sources.HELD`:
+    their tokens are estimated apart in the next step)."""
+    return {name for name, (tokens, _) in (step.nodes[0].proposals or {}).items()
+            if tokens and tokens[:len(emitted)] == emitted[:len(tokens)]}
 
 
 def consecutive_runs(ids: list[int]) -> list[tuple[int, int]]:

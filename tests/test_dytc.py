@@ -446,6 +446,54 @@ def test_a_lookups_proposal_at_the_root_is_tested_for_free_when_not_drafted():
     assert low < 0.2 < 0.8 < tr.estimate(MAXGRAM, 5)
 
 
+def test_a_lookup_whose_root_proposal_held_is_estimated_apart_in_the_next_step():
+    from dytc.router_step import Node, Step, held_lookups, unused_proposals
+    from dytc.sources import held, is_lookup
+    from dytc.tree import DraftTree
+
+    step = Step(DraftTree.root(4), [Node("root", 1.0, 1.0, 0)], [0.0, 1.0], {})
+    step.nodes[0].proposals = {MAXGRAM: ([5, 6, 7], 4), PLD: ([5, 9], 2)}
+    assert held_lookups(step, [5, 6]) == {MAXGRAM}  # (as far as the emitted tokens go)
+    assert held_lookups(step, [5, 6, 7, 1]) == {MAXGRAM}  # (as far as the proposal goes)
+    assert held_lookups(step, [5, 9, 3]) == {PLD}
+    assert held_lookups(step, [1]) == set()
+    step.add(0, 5, "int4", 0.9, 0.9)
+    assert unused_proposals(step, [5, 6, 8], {MAXGRAM})[0] == (held(MAXGRAM), 4, True)  # its free tests are held's
+    assert is_lookup(held(MAXGRAM)) and is_lookup(held(MAXGRAM) + "!")
+
+
+def test_after_a_root_proposal_held_the_lookups_tokens_are_held_and_run_further():
+    """A copy under way: the next step's Max-Gram tokens carry held(maxgram) and its proposal may run to
+    held_lookup_tokens; a step whose emitted tokens the proposal missed ends it."""
+    from dytc.sources import held
+
+    e = tiny_engine("llama", 0)
+    pts = [Point(name, t, c, tree, base + 0.01 * (t - 1)) for name, base in ((TARGET_LEVEL, 50.0), ("int4", 40.0))
+           for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48) for c in (64, 128) for tree in (False, True)]
+    cycle = list(range(20, 50))
+    prompt = cycle * 2 + cycle[:5]  # Max-Gram proposes the cycle's next tokens, as many as asked
+    router = DyTC([e.levels.get("int4")], AcceptanceTracker(), RouterConfig(levels=("int4",), lookups=(MAXGRAM,)))
+    e.cache.rollback(0)
+    e.extend_prefix(prompt[:-1])
+    ctx = DraftContext(e.model, e.cache, list(prompt), SamplingParams(), None, e.eos_ids, budget=60,
+                       latency=LatencyModel.fit(FeatureSpec(), pts))
+    router.begin(ctx)
+    tree = router.draft(ctx)
+    plain = [nd.source for nd in router.step.nodes[1:]]
+    proposal = router.step.nodes[0].proposals[MAXGRAM][0]
+    assert MAXGRAM in plain and held(MAXGRAM) not in plain and len(proposal) == router.cfg.lookup_tokens
+    router.observe(ctx, tree, [0], proposal[:1])  # (the first token emitted: the proposal held as far as it went)
+    assert router.held == {MAXGRAM}
+    ctx.commit(proposal[:1])
+    e.extend_prefix(ctx.history[:-1])  # (the target's KV up to the new root, as a verification leaves it)
+    tree = router.draft(ctx)
+    copied = [nd.source for nd in router.step.nodes[1:]]
+    assert held(MAXGRAM) in copied and MAXGRAM not in copied
+    assert len(router.step.nodes[0].proposals[MAXGRAM][0]) == router.cfg.held_lookup_tokens
+    router.observe(ctx, tree, [0], [7])  # a token the proposal missed: the copy is over
+    assert router.held == set()
+
+
 def test_dytc_reports_its_free_tests_of_the_lookups():
     e = tiny_engine("llama", 2)
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]

@@ -16,9 +16,10 @@ TOPK_BLOCK = 1024  # ATen's path: a row is cut into blocks this long; the top k 
 # maxima
 
 
-def _own_op(x: Tensor) -> bool:
-    """Whether casspec's op takes x: a float32 CPU matrix, the library built."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and build_error() is None
+def _own_op(x: Tensor, k: int) -> bool:
+    """Whether casspec's op takes x and k: a float32 CPU matrix, k in 1..its row's length, the library built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 0 < k <= x.shape[1]
+            and build_error() is None)
 
 
 @functools.cache
@@ -35,7 +36,7 @@ def top_k(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor]:
     vocabulary: each of the k largest lies in a block whose maximum is among the k largest block maxima, so one
     pass takes the blocks' maxima and the sort looks at k blocks only. (On a GPU, where its five kernels would cost
     more than one, torch.topk itself.)"""
-    if _own_op(x) and 0 < k <= x.shape[1]:
+    if _own_op(x, k):
         return torch.ops.casspec.row_top(x, k)
     T, V = x.shape
     if x.device.type != "cpu" or V % block or k * block >= V:
@@ -51,7 +52,7 @@ def top_k_logsumexp(x: Tensor, k: int, scale: float = 1.0,
                     block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor, Tensor]:
     """The k largest entries of rows x [T, V] (as top_k; block: as top_k's) and each row's log(sum_j e^(scale x_j))
     [T] (scale > 0): softmax(scale x) at the top k is e^(scale values - lse)."""
-    if _own_op(x) and _own_lse() and 0 < k <= x.shape[1] and scale > 0:
+    if _own_op(x, k) and scale > 0 and _own_lse():
         return torch.ops.casspec.row_top_lse(x, k, scale)
     values, indices = top_k(x, k, block)
     return values, indices, (x * scale).logsumexp(-1)

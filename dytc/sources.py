@@ -23,7 +23,7 @@ HELD = "="  # suffix of a lookup's source name in a step after one where its pro
 
 def is_lookup(source: str) -> bool:
     """Whether a source (or its overruled tokens) is a statistical lookup; its belief is then a match length."""
-    return source.removesuffix(OVERRULED).removesuffix(HELD) in LOOKUPS
+    return base_lookup(source) in LOOKUPS
 
 
 def overruled(lookup: str) -> str:

@@ -60,6 +60,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor dense_pack(const at::Tensor& w);
 // the k largest entries of each row of x [T, V] float32 (descending; of equal ones the lower index first; NaN read as
 // -inf; rowtop.cpp): (values [T, k], indices [T, k] int64); row_top_lse also log(sum_j e^(scale x_j)) per row [T]
+// (NaN where a NaN entry sits beside a number)
 std::tuple<at::Tensor, at::Tensor> row_top(const at::Tensor& x, int64_t k);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_top_lse(const at::Tensor& x, int64_t k, double scale);
 // standard Gumbel noise of (seed, position) at tokens [n] int64 in 0..vocab-1, or at every token (tokens absent):

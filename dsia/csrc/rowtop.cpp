@@ -7,7 +7,8 @@
 // first), and a scan of the row 256 floats at a time that looks into a block, 16 at a time, only where its maximum
 // beats the k-th best (after the first blocks, seldom). NaN is read as -infinity (below every number).
 // The log-sum-exp of scale * x: m + log(sum e^(scale * x - m)), m the scaled maximum, summed in 16 lanes folded in a
-// fixed order, so a row gives the same bits whatever the rows beside it.
+// fixed order, so a row gives the same bits whatever the rows beside it; a NaN entry makes it NaN (as torch's) where
+// the row holds a number, -inf in a row of NaN and -inf alone.
 #include "ops.h"
 
 #include "vec16.h"
@@ -89,7 +90,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     return;
   }
   const float top = val[0];
-  if (top == kNegInf || top == -kNegInf) {  // every entry -inf (or NaN): the sum is 0; an entry +inf: it is +inf
+  if (top == kNegInf || top == -kNegInf) {  // every entry -inf or NaN: the sum is 0; an entry +inf: it is +inf
     *lse = top;
     return;
   }

@@ -64,6 +64,8 @@ def outputs() -> dict[str, torch.Tensor]:
     x = torch.randn(3, 1000, generator=gen) * 5  # a row's top k and log-sum-exp: blocks of 64 and a tail
     values, indices, lse = torch.ops.casspec.row_top_lse(x, 9, 0.7)
     out["row_top_lse"] = torch.cat([values, indices.float(), lse[:, None]], dim=1)
+    out["gumbel"] = torch.cat([torch.ops.casspec.gumbel(3, 17, None, 1001),  # a whole row (a tail past 8 lanes)
+                               torch.ops.casspec.gumbel(3, 17, torch.tensor([1000, 0, 5, 77, 12]), 1001)])
     return out
 
 
@@ -82,7 +84,7 @@ def run_child(tmp_path: Path, isa: str | None) -> dict[str, torch.Tensor]:
 def test_the_plain_and_avx2_paths_give_the_widest_paths_bits(tmp_path):
     """(On a machine without AVX-512 the avx2 child runs the widest path again; without AVX2, the plain one.)"""
     widest = run_child(tmp_path, None)
-    assert len(widest) == 13
+    assert len(widest) == 14
     for isa in ("avx2", "plain"):
         other = run_child(tmp_path, isa)
         assert other.keys() == widest.keys()

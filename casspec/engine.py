@@ -13,7 +13,6 @@ unfinished gets a CasspecError (waiting would deadlock). `last_result` is per th
 """
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -35,9 +34,9 @@ from dsia.model import Transformer, compiled_pointwise
 from dsia.spec import DEFAULT_CONTEXT
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy
-from dytc.sampling import SamplingParams, warp
-from dytc.tree import DraftTree, ancestor_mask, is_chain, position_ids
-from dytc.verify import Noise, coupled_sample, verify_coupled, verify_greedy, verify_sampling
+from dytc.sampling import SamplingParams, coupled_top, warp
+from dytc.tree import DraftTree, ancestor_mask, depths, is_chain, position_ids
+from dytc.verify import Noise, verify_coupled, verify_greedy, verify_sampling
 
 from .autoprofile import autoprofile as run_autoprofile
 from .autoprofile import cached_profile, profile_key
@@ -507,14 +506,14 @@ class Engine:
     def _pick(logits: torch.Tensor, sampling: SamplingParams, noise: Noise | None, position: int) -> int:
         if sampling.greedy or noise is None:
             return int(logits[-1].argmax())
-        return coupled_sample(warp(logits[-1:].cpu(), sampling)[0], functools.partial(noise, position))
+        return int(coupled_top(logits[-1:].cpu(), sampling, noise, [position], 1)[1][0, 0])
 
     @staticmethod
     def _accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
                 noise: Noise | None, root_position: int) -> tuple[list[int], int]:
         if sampling.greedy or noise is None:
             return verify_greedy(tree, logits)
-        probs = warp(logits.cpu(), sampling)  # [N, V]
         if all(q is None for q in tree.q):
-            return verify_coupled(tree, probs, noise, root_position)
-        return verify_sampling(tree, probs, generator)
+            positions = [root_position + d + 1 for d in depths(tree.parents)]  # [N]: the position after each node
+            return verify_coupled(tree, coupled_top(logits.cpu(), sampling, noise, positions, 1)[1][:, 0].tolist())
+        return verify_sampling(tree, warp(logits.cpu(), sampling), generator)

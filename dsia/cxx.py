@@ -21,7 +21,8 @@ from .errors import CasspecError
 LIBRARY_DTYPES = (torch.float32, torch.bfloat16)  # what the library's dense product and attention take (on a CPU)
 ISAS = ("plain", "avx2", "avx512")  # what the environment's CASSPEC_ISA may name: the widest path the ops run (ops.h)
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("layers.cpp", "step.cpp", "ops.cpp", "blockq.cpp", "dense.cpp", "rowtop.cpp", "gumbel.cpp")]
+           for name in ("layers.cpp", "step.cpp", "ops.cpp", "blockq.cpp", "dense.cpp", "rowtop.cpp", "gumbel.cpp",
+                        "coupled.cpp")]
 EXTENSION = "casspec_layers"  # the built library's name
 
 

@@ -98,7 +98,7 @@ class DraftContext:
         if not self.coupled:  # (the top k logits and the row's log-sum-exp in one pass: dsia/topk.py)
             values, tokens, lse = top_k_logsumexp(logits.float(), k)  # [T, k], [T, k], [T]
             return (values - lse[:, None]).exp(), tokens
-        return coupled_top(logits.cpu(), self.sampling, lambda j, tokens: self.noise(positions[j] + 1, tokens), k)
+        return coupled_top(logits.cpu(), self.sampling, self.noise, [p + 1 for p in positions], k)
 
     def commit(self, emitted: list[int]) -> None:
         """After verification: the emitted tokens join the history (the last one is the next root)."""

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from dsia.errors import CasspecError
 from dsia.topk import top_k, top_k_logsumexp
+
+from .verify import SEED_MODULUS, Noise, own_noise
 
 
 GREEDY_BELOW = 1e-4  # temperatures below this are greedy decoding (the warp's limit as T -> 0 is the argmax;
@@ -81,24 +83,49 @@ def _outside_nucleus(probs: Tensor, top_p: float) -> Tensor:
     return ~keep
 
 
-def coupled_top(logits: Tensor, params: SamplingParams, noise: Callable[[int, Tensor | None], Tensor], k: int,
+def coupled_top(logits: Tensor, params: SamplingParams, noise: Noise, positions: Sequence[int], k: int,
                 candidates: int = DRAFT_CANDIDATES) -> tuple[Tensor, Tensor]:
     """A coupled draft's k best tokens: the top k of log warp(q) + g per row, and the softmax of those perturbed
-    scores at them (probabilities, float32), [T, k] each; logits [T, V] of the draft, noise(j, tokens) row j's g at
-    tokens [n] (None: the whole row [V]), float64 (only the candidates' noise is drawn where they hold the support).
+    scores at them (probabilities, float32), [T, k] each; logits [T, V] of the draft, row j's g the noise of
+    positions[j] (float64; only the candidates' noise is drawn where they hold the support). With k = 1, of the
+    target's logits, the target's own sample at each row (Gumbel-max: distributed as warp(p)), the one function
+    that draws it for every method (`casspec.engine`), so a seed gives the same tokens whatever was drafted. Each
+    row's result depends on that row alone.
 
     The same tokens as `warp` over the whole row, but cheaper: where a row's warped support lies within its
     `candidates` most likely tokens (top-k no wider than them, or a nucleus they reach), only they are warped and
-    perturbed; the other rows (a top-k wider than the candidates, or a wider nucleus: a sampled token often lies
+    perturbed (casspec's op, csrc/coupled.cpp, where its library is built: one call for every row; elsewhere ATen's
+    small ops); the other rows (a top-k wider than the candidates, or a wider nucleus: a sampled token often lies
     further down there) are warped whole, and with temperature alone the logits / T are perturbed whole (log q up
     to a constant per row). The target's own token is drawn with `warp` (dytc.verify); a draft only has to match
     it, and does wherever the two perturbed argmaxes agree."""
     T, V = logits.shape
-    if params.top_k == 0 and params.top_p == 1.0:  # temperature alone: every token in the support
+    m = min(candidates, V)
+    whole = params.top_k == 0 and params.top_p == 1.0  # temperature alone: every token in the support
+    if own_noise() and params.top_k <= m and (m == V or not whole):
+        probs, tokens, inside = torch.ops.casspec.coupled_top(
+            logits.float().contiguous(), params.temperature, params.top_k, params.top_p, noise.seed % SEED_MODULUS,
+            torch.tensor(positions, dtype=torch.long), k, m)  # [T, k], [T, k], [T]
+    elif whole:
         z = logits.float() / params.temperature  # [T, V] log q up to a constant per row (no effect on either result)
-        return _perturbed_top(z.double() + _rows(noise, range(T)), k)
-    if params.top_k > candidates or candidates >= V:
-        return _perturbed_top(warp(logits, params).log().double() + _rows(noise, range(T)), k)
+        return _perturbed_top(z.double() + _rows(noise, positions), k)
+    elif params.top_k > candidates or candidates >= V:
+        return _perturbed_top(warp(logits, params).log().double() + _rows(noise, positions), k)
+    else:
+        probs, tokens, inside = _candidates_top(logits, params, noise, positions, k, candidates)
+    if not bool(inside.all()):  # a nucleus wider than the candidates: those rows warped whole
+        wide = (~inside).nonzero()[:, 0]
+        probs[wide], tokens[wide] = _perturbed_top(warp(logits[wide], params).log().double()
+                                                   + _rows(noise, [positions[j] for j in wide.tolist()]), k)
+    return probs, tokens
+
+
+def _candidates_top(logits: Tensor, params: SamplingParams, noise: Noise, positions: Sequence[int], k: int,
+                    candidates: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`coupled_top` over each row's candidates by ATen's ops (top_k <= candidates, and top-k or top-p on):
+    (probs, tokens [T, k], inside [T]: whether the row's support lies within its candidates; the others' results
+    are to be replaced). csrc/coupled.cpp computes the same in one call."""
+    T = logits.shape[0]
     top, ci, lse = top_k_logsumexp(logits.float(), candidates, 1.0 / params.temperature, CANDIDATES_BLOCK)  # [T, M]
     # descending, [T, M], [T]: the candidates and log sum e^z of the whole row, z = logits / temperature
     cz = top / params.temperature  # [T, M] z at the candidates (log q up to a constant per row)
@@ -112,18 +139,13 @@ def coupled_top(logits: Tensor, params: SamplingParams, noise: Callable[[int, Te
         if params.top_k == 0:  # (a top-k within the candidates holds the nucleus)
             inside = before[:, -1] >= params.top_p
         cz = cz.masked_fill(before >= params.top_p, float("-inf"))
-    probs, at = _perturbed_top(cz.double() + torch.stack([noise(j, ci[j]) for j in range(T)]), k)  # [T, k]
-    tokens = ci.gather(1, at)
-    if not bool(inside.all()):  # a nucleus wider than the candidates: those rows warped whole
-        wide = (~inside).nonzero()[:, 0]
-        probs[wide], tokens[wide] = _perturbed_top(warp(logits[wide], params).log().double()
-                                                   + _rows(noise, wide.tolist()), k)
-    return probs, tokens
+    probs, at = _perturbed_top(cz.double() + torch.stack([noise(positions[j], ci[j]) for j in range(T)]), k)
+    return probs, ci.gather(1, at), inside
 
 
-def _rows(noise: Callable[[int, Tensor | None], Tensor], rows: Iterable[int]) -> Tensor:
-    """The whole rows' noise [len(rows), V]."""
-    return torch.stack([noise(j, None) for j in rows])
+def _rows(noise: Noise, positions: Sequence[int]) -> Tensor:
+    """The whole rows' noise at positions [len(positions), V]."""
+    return torch.stack([noise(p, None) for p in positions])
 
 
 def _perturbed_top(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:

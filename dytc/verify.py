@@ -11,9 +11,7 @@ passes q with the earlier siblings removed and renormalized) and p and q are war
 """
 from __future__ import annotations
 
-import functools
 import time
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -22,6 +20,7 @@ from dsia.cxx import build_error
 
 from .tree import DraftTree
 
+SEED_MODULUS = 2**63  # casspec's noise ops take a seed reduced modulo this (an int64 >= 0)
 POSITION_STRIDE = 1_000_003  # a prime above any context length: (seed, position) pairs map to distinct noise seeds
 
 
@@ -75,7 +74,7 @@ def gumbel_noise(seed: int, position: int, vocab: int, tokens: Tensor | None = N
     270 us); elsewhere a row of torch's generator seeded by (seed, position), indexed (one process draws all its
     noise one way)."""
     if own_noise():
-        return torch.ops.casspec.gumbel(seed % 2**63, position, tokens, vocab)
+        return torch.ops.casspec.gumbel(seed % SEED_MODULUS, position, tokens, vocab)
     gen = torch.Generator().manual_seed((seed * POSITION_STRIDE + position) % (2**63 - 1))
     u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
     row = -torch.log(-torch.log(u))
@@ -117,33 +116,22 @@ class Noise:
             del self._rows[p]
 
 
-def coupled_sample(probs: Tensor, noise: Callable[[Tensor | None], Tensor]) -> int:
-    """The Gumbel-max sample argmax(log p + g): distributed as p when g is fresh Gumbel noise; noise(tokens): g at
-    tokens [n] (None: the whole row [V]). Where top-k or top-p left few tokens, only they are scored (the same token:
-    the others' log p is -inf), and only their noise is drawn."""
-    support = None if bool(probs.min() > 0) else probs.nonzero()[:, 0]  # [S] ascending, as argmax breaks ties
-    if support is None or len(support) * 4 > len(probs):
-        return int((probs.double().log() + noise(None)).argmax())
-    return int(support[(probs[support].double().log() + noise(support)).argmax()])
-
-
-def verify_coupled(tree: DraftTree, probs: Tensor, noise: Callable[[int, Tensor | None], Tensor],
-                   root_position: int) -> tuple[list[int], int]:
-    """Sampling verification of deterministic drafts (q one-hot) by position-owned noise: the target's token after
-    a node at depth d is argmax(log p + g), g = noise(root_position + d + 1, tokens) (`Noise`: gumbel_noise).
-    Greedy verification against those tokens emits, at every position, a fresh sample of the target's
-    distribution given the prefix (the noise of a position is independent of every other position's), so the
-    output is distributed exactly as the target's own samples; and since the noise does not depend on the tree,
-    the same seed gives the same tokens whatever was drafted: every deterministic-draft method reproduces `ar`
-    token for token. A draft that is its level's plain argmax is accepted with probability p(x), as in recursive
-    rejection with one-hot q; a coupled draft (`DraftContext.draft_top`: the argmax of log q + the same g) is
-    accepted wherever the two perturbed argmaxes agree."""
+def verify_coupled(tree: DraftTree, targets: list[int]) -> tuple[list[int], int]:
+    """Sampling verification of deterministic drafts (q one-hot) by position-owned noise: targets[n] is the
+    target's token after node n, argmax(log p + g) with g the noise of the node's position (root position + depth
+    + 1; `sampling.coupled_top` with k = 1). Greedy verification against those tokens emits, at every position, a
+    fresh sample of the target's distribution given the prefix (the noise of a position is independent of every
+    other position's), so the output is distributed exactly as the target's own samples; and since the noise does
+    not depend on the tree, the same seed gives the same tokens whatever was drafted: every deterministic-draft
+    method reproduces `ar` token for token. A draft that is its level's plain argmax is accepted with probability
+    p(x), as in recursive rejection with one-hot q; a coupled draft (`DraftContext.draft_top`: the argmax of log q
+    + the same g) is accepted wherever the two perturbed argmaxes agree."""
     children = tree.children()
-    node, path, depth = 0, [0], 0
+    node, path = 0, [0]
     while True:
-        t = coupled_sample(probs[node], functools.partial(noise, root_position + depth + 1))
+        t = targets[node]
         nxt = next((c for c in children[node] if tree.tokens[c] == t), None)
         if nxt is None:
             return path, t
         path.append(nxt)
-        node, depth = nxt, depth + 1
+        node = nxt

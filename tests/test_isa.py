@@ -66,6 +66,8 @@ def outputs() -> dict[str, torch.Tensor]:
     out["row_top_lse"] = torch.cat([values, indices.float(), lse[:, None]], dim=1)
     out["gumbel"] = torch.cat([torch.ops.casspec.gumbel(3, 17, None, 1001),  # a whole row (a tail past 8 lanes)
                                torch.ops.casspec.gumbel(3, 17, torch.tensor([1000, 0, 5, 77, 12]), 1001)])
+    probs, tokens, inside = torch.ops.casspec.coupled_top(x, 0.7, 0, 0.9, 5, torch.tensor([4, 9, 2]), 3, 40)
+    out["coupled_top"] = torch.cat([probs, tokens.float(), inside[:, None].float()], dim=1)
     return out
 
 
@@ -84,7 +86,7 @@ def run_child(tmp_path: Path, isa: str | None) -> dict[str, torch.Tensor]:
 def test_the_plain_and_avx2_paths_give_the_widest_paths_bits(tmp_path):
     """(On a machine without AVX-512 the avx2 child runs the widest path again; without AVX2, the plain one.)"""
     widest = run_child(tmp_path, None)
-    assert len(widest) == 14
+    assert len(widest) == 15
     for isa in ("avx2", "plain"):
         other = run_child(tmp_path, isa)
         assert other.keys() == widest.keys()

@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 
 from casspec.engine import Request
 from dytc.router import RouterConfig
+from dsia.cxx import build_error
+from dytc import sampling
 from dytc.sampling import DRAFT_CANDIDATES, NUCLEUS_CANDIDATES, SamplingParams, _outside_nucleus, coupled_top, warp
 from dytc.tree import DraftTree, ancestor_mask, depths
-from dytc.verify import coupled_sample, gumbel_noise, verify_greedy, verify_sampling
+from dytc.verify import Noise, gumbel_noise, own_noise, verify_greedy, verify_sampling
 from tiny import ARCHS, KERNELS, chi2_p, joint_chi2_p, tiny_engine
 
 V = 6  # tiny vocabulary for the distribution tests
@@ -203,42 +205,78 @@ def test_top_p_by_partial_sort_equals_the_full_sort(scale, top_p):
         assert (~expected).sum(-1).max() > NUCLEUS_CANDIDATES[-1]
 
 
+@pytest.mark.parametrize("own", [True, False])
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 0, 1.0),
                                     SamplingParams(0.8, 20, 1.0), SamplingParams(1.0, 40, 0.8),
-                                    SamplingParams(0.9, 500, 0.95), SamplingParams(1.3, 0, 0.99)])
-def test_coupled_top_equals_the_whole_rows_warp(params):
+                                    SamplingParams(0.9, 500, 0.95), SamplingParams(1.3, 0, 0.99),
+                                    SamplingParams(0.6, 64, 0.9), SamplingParams(1.0, 2, 1.0)])
+def test_coupled_top_equals_the_whole_rows_warp(params, own, monkeypatch):
     """A coupled draft's top tokens and their probabilities, found among each row's DRAFT_CANDIDATES most likely
     tokens where they hold the warped support, equal those of the whole row's warp perturbed by the same noise:
-    peaked rows (support within the candidates), flat ones (a nucleus wider: warped whole), one of each mixed."""
+    peaked rows (support within the candidates), flat ones (a nucleus wider: warped whole), one of each mixed; by
+    casspec's op (own) and by ATen's ops. Past a support smaller than k (top-k 2) the probabilities are 0."""
+    if own and not own_noise():
+        pytest.skip(f"casspec's library is not built here: {build_error()}")
+    monkeypatch.setattr(sampling, "own_noise", lambda: own)
     g = torch.Generator().manual_seed(int(params.temperature * 100 + params.top_k + params.top_p * 10))
     V, k = 8192, 4
     logits = torch.randn(6, V, generator=g) * torch.tensor([[9.0], [9.0], [6.0], [0.3], [9.0], [0.1]])
-    noise = torch.stack([gumbel_noise(3, p, V) for p in range(6)])  # [6, V]
+    positions = [7, 0, 3, 12, 5, 9]
+    noise = torch.stack([gumbel_noise(3, p, V) for p in positions])  # [6, V]
     scores = warp(logits, params).log().double() + noise
     ref = scores.topk(k, dim=-1)
-    probs, tokens = coupled_top(logits, params, lambda j, t: gumbel_noise(3, j, V, t), k)
+    probs, tokens = coupled_top(logits, params, Noise(3, V), positions, k)
     live = ref.values > float("-inf")  # (past the support every token scores -inf: any order)
     assert torch.equal(tokens[live], ref.indices[live])
     assert torch.allclose(probs, (ref.values - scores.logsumexp(-1, keepdim=True)).exp().float(), atol=1e-6)
+    assert bool((probs[~live] == 0).all()) and bool(((tokens >= 0) & (tokens < V)).all())
+    assert len(set(tokens[0].tolist())) == k  # (distinct tokens, past the support too)
     narrow = (0 < params.top_k <= DRAFT_CANDIDATES) or (params.top_k == 0 and params.top_p < 1)
     if narrow:  # the peaked rows' support lies within the candidates; the flat ones' may not
         assert int((warp(logits[:1], params) > 0).sum()) <= DRAFT_CANDIDATES
 
 
+def test_coupled_top_op_rejects_bad_arguments():
+    """casspec's coupled-drafting op checks what it indexes and what its arithmetic needs: one clear error each."""
+    if not own_noise():
+        pytest.skip(f"casspec's library is not built here: {build_error()}")
+    op, x, pos = torch.ops.casspec.coupled_top, torch.randn(2, 100), torch.tensor([1, 2])
+    for args, what in [((x.double(), 0.7, 0, 0.9, 0, pos, 4, 64), "Float expected"),
+                       ((x, 0.7, 0, 0.9, 0, pos[:1], 4, 64), "one position per row"),
+                       ((x, 0.7, 0, 0.9, 0, torch.tensor([1, -1]), 4, 64), "positions must be >= 0"),
+                       ((x, 0.0, 0, 0.9, 0, pos, 4, 64), "temperature > 0"),
+                       ((x, float("nan"), 0, 0.9, 0, pos, 4, 64), "temperature > 0"),
+                       ((x, 0.7, 0, 1.5, 0, pos, 4, 64), "top_p must lie"),
+                       ((x, 0.7, 0, 0.9, 0, pos, 4, 101), "candidates must lie"),
+                       ((x, 0.7, 65, 0.9, 0, pos, 4, 64), "top_k must lie"),
+                       ((x, 0.7, 0, 0.9, 0, pos, 65, 64), "k must lie"),
+                       ((x, 0.7, 0, 0.9, -1, pos, 4, 64), "seed >= 0")]:
+        with pytest.raises(RuntimeError, match=what):
+            op(*args)
+
+
+@pytest.mark.parametrize("own", [True, False])
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 0, 1.0),
                                     SamplingParams(1.0, 20, 1.0), SamplingParams(3.0, 0, 0.999)])
-def test_coupled_sample_over_the_support_equals_the_whole_row(params):
-    """The verifier's Gumbel-max token, scored over the tokens the warp left (few under top-k / top-p), is the whole
-    row's argmax of log p + g, for small and wide supports and ties broken alike."""
+def test_target_sample_is_the_whole_rows_gumbel_max_and_each_rows_own(params, own, monkeypatch):
+    """The target's token (coupled_top with k = 1, what every sampled method's verifier and ar draw) is the whole
+    row's argmax of log warp(p) + g, for small and wide supports and two equal logits (a tie broken by the noise);
+    and a row's token is the same computed alone as among other rows (so ar, one row a step, and a verifier of
+    trees, many, emit the same tokens)."""
+    if own and not own_noise():
+        pytest.skip(f"casspec's library is not built here: {build_error()}")
+    monkeypatch.setattr(sampling, "own_noise", lambda: own)
     g = torch.Generator().manual_seed(1)
     V = 8192
-    probs = warp(torch.randn(40, V, generator=g) * 6, params)
-    probs[0] = 0.0
-    probs[0, [5, 9]] = 0.5  # a tie broken by the noise alone
-    for i in range(len(probs)):
-        noise = gumbel_noise(2, i, V)
-        assert coupled_sample(probs[i], functools.partial(gumbel_noise, 2, i, V)) == int(
-            (probs[i].double().log() + noise).argmax())
+    logits = torch.randn(40, V, generator=g) * 6
+    logits[0, 9] = logits[0, 5] = logits[0].max() + 30.0  # (the two alone in the support under top-k / top-p)
+    positions = list(range(3, 43))
+    tokens = coupled_top(logits, params, Noise(2, V), positions, 1)[1][:, 0]  # [40]
+    probs = warp(logits, params)
+    for i in range(len(logits)):
+        assert int(tokens[i]) == int((probs[i].double().log() + gumbel_noise(2, positions[i], V)).argmax())
+        assert int(coupled_top(logits[i:i + 1], params, Noise(2, V), positions[i:i + 1], 1)[1][0, 0]) == tokens[i]
+    assert params.top_k == 0 and params.top_p == 1.0 or int(tokens[0]) in (5, 9)
 
 
 def test_blocked_top_k_equals_torch_topk():

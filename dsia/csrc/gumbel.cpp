@@ -74,7 +74,19 @@ void gumbel_plain(CASSPEC_GUMBEL_ARGS) { gumbel_impl(s, t, f, n, o); }
 __attribute__((target("avx2"))) void gumbel_avx2(CASSPEC_GUMBEL_ARGS) { gumbel_impl(s, t, f, n, o); }
 __attribute__((target("avx512f"))) void gumbel_avx512(CASSPEC_GUMBEL_ARGS) { gumbel_impl(s, t, f, n, o); }
 
+// the stream of one (seed, position): each token's counter is stream + (token + 1) * golden
+uint64_t stream_of(int64_t seed, int64_t position) {
+  return mix(mix(static_cast<uint64_t>(seed)) + static_cast<uint64_t>(position) * kGolden);
+}
+
+// the widest instruction set's drawing function
+auto path() { return machine_isa() == kAvx512 ? gumbel_avx512 : machine_isa() == kAvx2 ? gumbel_avx2 : gumbel_plain; }
+
 }  // namespace
+
+void gumbel_tokens(int64_t seed, int64_t position, const int64_t* tokens, int64_t n, double* out) {
+  path()(stream_of(seed, position), tokens, 0, n, out);
+}
 
 at::Tensor gumbel(int64_t seed, int64_t position, const std::optional<at::Tensor>& tokens, int64_t vocab) {
   TORCH_CHECK(vocab >= 1, "casspec gumbel: a vocabulary of at least one token expected, got ", vocab);
@@ -90,11 +102,10 @@ at::Tensor gumbel(int64_t seed, int64_t position, const std::optional<at::Tensor
   }
   const int64_t n = t.defined() ? t.numel() : vocab;
   at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kDouble));
-  const uint64_t stream = mix(mix(static_cast<uint64_t>(seed)) + static_cast<uint64_t>(position) * kGolden);
+  const uint64_t stream = stream_of(seed, position);
   const int64_t* tp = t.defined() ? t.data_ptr<int64_t>() : nullptr;
   double* op = out.data_ptr<double>();
-  const Isa isa = machine_isa();
-  auto run = isa == kAvx512 ? gumbel_avx512 : isa == kAvx2 ? gumbel_avx2 : gumbel_plain;
+  const auto run = path();
   const int64_t chunks = (n + kLanes - 1) / kLanes;  // (threads take whole chunks of 8: the same lanes as alone)
   at::parallel_for(0, chunks, n > kParallelTokens ? 1 : chunks, [&](int64_t c0, int64_t c1) {
     const int64_t j0 = c0 * kLanes, count = std::min(n, c1 * kLanes) - j0;

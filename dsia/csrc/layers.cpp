@@ -366,6 +366,8 @@ TORCH_LIBRARY(casspec, m) {
   m.def("gumbel(int seed, int position, Tensor? tokens, int vocab) -> Tensor", &casspec::gumbel);
   m.def("row_top(Tensor x, int k) -> (Tensor, Tensor)", &casspec::row_top);
   m.def("row_top_lse(Tensor x, int k, float scale) -> (Tensor, Tensor, Tensor)", &casspec::row_top_lse);
+  m.def("coupled_top(Tensor logits, float temperature, int top_k, float top_p, int seed, Tensor positions, int k, "
+        "int candidates) -> (Tensor, Tensor, Tensor)", &casspec::coupled_top);
   m.def("dense_panels(Tensor x, Tensor panels, int N, Tensor? bias=None, int isa=-1) -> Tensor",
         &casspec::dense_panels);
   m.class_<Stack>("Stack")

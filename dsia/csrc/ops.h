@@ -66,6 +66,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_top_lse(const at::Tensor& x, 
 // standard Gumbel noise of (seed, position) at tokens [n] int64 in 0..vocab-1, or at every token (tokens absent):
 // [n] or [vocab] float64, each value a pure function of (seed, position, token) (gumbel.cpp)
 at::Tensor gumbel(int64_t seed, int64_t position, const std::optional<at::Tensor>& tokens, int64_t vocab);
+// the same noise at tokens [n] into out [n], on this thread (tokens checked by the caller)
+void gumbel_tokens(int64_t seed, int64_t position, const int64_t* tokens, int64_t n, double* out);
+// coupled drafting's top k of each row of logits [T, V] float32 (coupled.cpp): (probs [T, k] float32, tokens [T, k]
+// int64, inside [T] bool); see there
+std::tuple<at::Tensor, at::Tensor, at::Tensor> coupled_top(const at::Tensor& logits, double temperature, int64_t top_k,
+                                                           double top_p, int64_t seed, const at::Tensor& positions,
+                                                           int64_t k, int64_t candidates);
 constexpr int64_t kDenseGroup = 64;  // outputs a group of the panels (dense.cpp: an AVX-512 tile's 4 vectors)
 // panels [ceil(N / 64), K, 64] of `dtype`, contiguous, on the CPU, as dense_pack makes them of a w [N, K], or an
 // error naming `what`

@@ -30,7 +30,8 @@ from dsia.gcpause import paused_gc
 from dsia.graphs import BUCKETS, Graphs
 from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
-from dsia.model import Transformer, compiled_pointwise
+from dsia.model import Transformer
+from dsia.pointwise import compiled_pointwise
 from dsia.spec import DEFAULT_CONTEXT
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy

@@ -25,7 +25,8 @@ from torch import Tensor
 from dsia.blockq import BLOCK, BlockLinear, exact_in_half
 from dsia.errors import CasspecError
 from dsia.cxx import build_error
-from dsia.model import FUSED_GROUPS, Transformer
+from dsia.layer import FUSED_GROUPS
+from dsia.model import Transformer
 from dsia.plan import Plan
 from dsia.quant import FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
 

@@ -26,7 +26,8 @@ from types import SimpleNamespace
 import torch
 
 from dsia.errors import CasspecError
-from dsia.model import LayerWeights, Transformer
+from dsia.layer import LayerWeights
+from dsia.model import Transformer
 from dsia.spec import ModelSpec
 
 from .usercache import ChecksumError, open_regular, parse_json, read_hashed, read_json_file

@@ -36,7 +36,9 @@ from .blockq import BlockLinear
 from .cxx import LIBRARY_DTYPES
 from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import casspec_panels, kernel_for, mkl_packed
-from .model import EAGER, FUSED_GROUPS, KvAccess, Pointwise, Transformer
+from .layer import FUSED_GROUPS, KvAccess
+from .model import Transformer
+from .pointwise import EAGER, Pointwise
 from .plan import Plan
 from .quant import FusedLinear, Int4Linear, Int8GroupLinear
 

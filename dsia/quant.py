@@ -54,7 +54,8 @@ from torch import Tensor
 from .blockq import BLOCK, LAYOUT, BlockLinear, q4_1_blocks, q8_0_blocks
 from .cxx import build_error
 from .errors import CasspecError
-from .model import FUSED_GROUPS, Transformer
+from .layer import FUSED_GROUPS
+from .model import Transformer
 from .plan import HeadFn, LinearFn, Plan
 from .strategy import HasBytes, Resources, Strategy, Switch
 from .topk import top_k

@@ -32,7 +32,8 @@ from casspec.loading import load
 from casspec.request import Request
 from dsia.invariant import RowKeys, block_attention, invariant_linear
 from dsia.kernels import time_ms
-from dsia.model import Transformer, rms_norm
+from dsia.model import Transformer
+from dsia.pointwise import rms_norm
 from dytc.latency import machine_info
 from dytc.tree import ancestor_mask, position_ids
 

@@ -1,4 +1,4 @@
-"""The ablation runner: rows, resumability, the table, the JSON, the plots and the README section."""
+"""The ablation runner: rows, resumability, the table, the JSON, the plots and the results page's section."""
 import json
 
 import pytest
@@ -62,6 +62,11 @@ def test_ablation_writes_results_resumes_and_fills_the_readme(tmp_path, monkeypa
     text = readme.read_text()
     assert "old" not in text and "| `sd:int8` |" in text and "](results/speedup_by_category.png)" in text
     assert text.endswith("\n\nrest\n")
+    page = tmp_path / "docs" / "results.md"  # the results page (`--readme docs/results.md`): plots link ../results/
+    page.parent.mkdir()
+    page.write_text(f"# Results\n{ab.README_BEGIN}\n{ab.README_END}\n")
+    ab.update_readme(page, summary, out)
+    assert "](../results/speedup_by_category.png)" in page.read_text() and "| `sd:int8` |" in page.read_text()
     sampled_begin, sampled_end = ab.readme_markers(sampled)
     readme.write_text(text + f"{sampled_begin}\nold sampled\n{sampled_end}\n")
     ab.update_readme(readme, sampled, out)  # a sampled run writes its own section, the greedy table stays

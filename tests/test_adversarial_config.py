@@ -113,7 +113,7 @@ def test_rope_tables_are_sized_by_the_context_used_not_the_files_claim(monkeypat
     assert torch.equal(runtime.with_context(100).sin, runtime.sin[:100])  # the same bits as the longer tables
     with pytest.raises(CasspecError, match="lower --max-context"):
         runtime.with_context((1 << 24) + 1)
-    monkeypatch.setattr("dsia.model._device_memory", lambda device: 1 << 30)  # a machine of 1 GiB
+    monkeypatch.setattr("dsia.variants._device_memory", lambda device: 1 << 30)  # a machine of 1 GiB
     with pytest.raises(CasspecError, match="more than the 1.1 GB"):  # 3.3 GB of KV cache, refused before allocating
         runtime.with_context(1 << 23)
     monkeypatch.undo()

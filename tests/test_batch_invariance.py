@@ -224,11 +224,11 @@ def test_the_engine_runs_casspecs_kernels_in_the_mode():
 
 def test_the_mode_refuses_where_rows_depend_on_the_row_count(monkeypatch):
     """The self-check catches a kernel whose rows depend on how many there are, and the mode then refuses."""
-    import dsia.model
+    import dsia.variants
 
     def uneven(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, w, b) + (x.shape[0] > 3) * 2.0 ** -6  # another result over more than 3 rows
     assert not rows_independent(uneven, {(64, 64)}, 16, torch.bfloat16, torch.device("cpu"))
-    monkeypatch.setattr(dsia.model, "rows_independent", lambda *a, **kw: False)
+    monkeypatch.setattr(dsia.variants, "rows_independent", lambda *a, **kw: False)
     with pytest.raises(CasspecError, match="row count"):
         Transformer.from_hf(tiny_model("llama", 0, dtype=torch.bfloat16)).with_batch_invariant()

@@ -122,7 +122,7 @@ def test_compiled_rope_kv_equals_the_eager_steps():
     eager result and writes the same cache slots in place."""
     import shutil
 
-    from dsia.model import compiled_pointwise, rope_kv
+    from dsia.pointwise import compiled_pointwise, rope_kv
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler for torch.compile on the CPU")
     g = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dsia.cxx import build_error
 from dsia.fastloop import cxx_pointwise
-from dsia.model import EAGER, rope
+from dsia.pointwise import EAGER, rope
 from dsia.plan import TARGET
 from tiny import tiny_engine
 

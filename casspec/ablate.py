@@ -20,6 +20,7 @@ the row's levels hold (shared copies counted once).
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import sys
@@ -39,7 +40,7 @@ from .engine import Engine
 from .methods import MULTI_LEVEL, SINGLE_LEVEL
 from .levels_report import measure_levels
 
-README_BEGIN = "<!-- ablate:begin -->"  # the README section of greedy runs
+README_BEGIN = "<!-- ablate:begin -->"  # the results page's section of greedy runs (docs/results.md)
 README_END = "<!-- ablate:end -->"
 
 
@@ -49,8 +50,8 @@ def _greedy(summary: dict) -> bool:
 
 
 def readme_markers(summary: dict) -> tuple[str, str]:
-    """The README section a run's table goes to: greedy runs `ablate`, sampled runs `ablate-sampling` (so that a
-    sampled run does not replace the greedy table)."""
+    """The section of the results page (`--readme`, docs/results.md) a run's table goes to: greedy runs `ablate`,
+    sampled runs `ablate-sampling` (so that a sampled run does not replace the greedy table)."""
     if _greedy(summary):
         return README_BEGIN, README_END
     return "<!-- ablate-sampling:begin -->", "<!-- ablate-sampling:end -->"
@@ -342,14 +343,18 @@ def plot_latency(summary: dict):
 
 
 def update_readme(readme: str | Path, summary: dict, out: Path) -> None:
-    """Replace the README's section between the run's markers (`readme_markers`) with the table and the plots."""
+    """Replace the page's section between the run's markers (`readme_markers`) with the table and the plots (linked
+    relative to the page: docs/results.md links results/ as ../results/)."""
     readme = Path(readme)
     text = readme.read_text()
     begin, end_marker = readme_markers(summary)
     if begin not in text or end_marker not in text:
         raise CasspecError(f"{readme} has no {begin} ... {end_marker} markers to write the results between")
     here, target = readme.resolve().parent, Path(out).resolve()
-    rel = target.relative_to(here) if target.is_relative_to(here) else target
+    try:
+        rel = Path(os.path.relpath(target, here))
+    except ValueError:  # another drive (Windows): no relative path
+        rel = target
     pngs = [p for p in ("speedup_by_category.png", "acceptance_by_depth.png", "levels_plane.png", "latency.png")
             if (Path(out) / p).is_file()]
     when = time.strftime("%Y-%m-%d", time.gmtime(max(m["started"] for m in summary["methods"].values())))

@@ -211,8 +211,8 @@ def _ablate_args(sub) -> None:
     ab.add_argument("--max-new-tokens", type=int, default=128)
     ab.add_argument("--rows", default=None, help="comma-separated bench method specs (default: the full ablation)")
     ab.add_argument("--out", default="results", help="results folder (finished rows there are skipped)")
-    ab.add_argument("--readme", default=None, help="also write the table and plots into this README's "
-                    "'ablate' section")
+    ab.add_argument("--readme", default=None, help="also write the table and plots into this page's 'ablate' "
+                    "section (the results page: docs/results.md)")
     _run_sampling(ab)
     _common(ab)
     _autoprofile(ab)

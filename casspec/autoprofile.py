@@ -51,7 +51,7 @@ def cached_profile(key: dict) -> dict | None:
 def autoprofile(engine: Engine, key: dict, progress: bool = True) -> dict | None:
     """The cached profile of `key`, else one measured now on `engine` (and cached); None when the engine's
     context window (capped by max_context) is too small for the grid: the latency is then fitted online."""
-    from .methods import default_levels
+    from .method_table import default_levels
     from .profile import AUTO, fits, profile
 
     prof = cached_profile(key)

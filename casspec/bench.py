@@ -15,7 +15,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
@@ -30,7 +30,8 @@ from dytc.sources import BOTTOMS
 
 from .engine import Engine
 from .lcpp import LCPP_METHODS, lcpp_runner
-from .methods import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
+from .method_table import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
+from .questions import Question, TurnFn
 from .request import Request
 from .stats import policy_ms_per_step
 
@@ -52,13 +53,6 @@ BENCH_METHODS = BASELINES + METHODS
 
 
 @dataclass
-class Question:
-    question_id: int | str
-    category: str
-    turns: list[str]
-
-
-@dataclass
 class Answer:
     question_id: int | str
     category: str
@@ -73,50 +67,6 @@ class Answer:
         """New tokens / wall time over all turns, with each turn's median wall time over repeats."""
         seconds = sum(statistics.median(w) for w in self.wall_time)
         return sum(self.new_tokens) / seconds if seconds > 0 else 0.0
-
-
-def read_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Question]:
-    """Read a Spec-Bench-format JSONL file: {"question_id", "category", "turns": [str, ...]} per line. `limit`
-    keeps the first N questions; `per_category` the first N of every category (in file order), so that a short
-    run still covers every category of the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise CasspecError(f"questions file {str(p)!r} does not exist: pass a Spec-Bench JSONL file")
-    for flag, value in (("--limit", limit), ("--per-category", per_category)):
-        if value is not None and value < 1:
-            raise CasspecError(f"{flag} must be >= 1 (got {value})")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise CasspecError(f"questions file {p} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
-    except OSError as e:
-        raise CasspecError(f"cannot read questions file {p} ({e.strerror}): check the path and permissions") from None
-    questions = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            turns = obj["turns"]
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-                raise ValueError("turns must be a non-empty list of non-empty strings")
-            questions.append(Question(obj["question_id"], str(obj.get("category", "all")), turns))
-        except (ValueError, KeyError, TypeError) as e:
-            raise CasspecError(f"{p}:{n} is not a Spec-Bench question ({type(e).__name__}: {e}); each line needs "
-                               "question_id, category and turns") from None
-        if limit is not None and len(questions) >= limit:
-            break
-    if not questions:
-        raise CasspecError(f"{p} holds no questions")
-    if per_category is not None:
-        taken: dict[str, int] = {}
-        kept = []
-        for q in questions:
-            taken[q.category] = taken.get(q.category, 0) + 1
-            if taken[q.category] <= per_category:
-                kept.append(q)
-        questions = kept
-    return questions
 
 
 def writable_folder(path: str | Path) -> Path:
@@ -182,8 +132,6 @@ def parse_methods(spec: str | Sequence[str]) -> list[str]:
     return [BASELINE] + list(dict.fromkeys(names))  # the baseline always runs, first
 
 
-# one turn: prompt ids, max new tokens -> (new token ids, target forwards, engine stats or {})
-TurnFn = Callable[[list[int], int], tuple[list[int], int, dict]]
 STAT_SUMS = ("reused_tokens", "prefill_seconds", "draft_seconds", "draft_forward_seconds", "verify_seconds",
              "predicted_verify_seconds", "draft_forwards", "tree_nodes", "noise_seconds")
 

@@ -100,7 +100,7 @@ def _method_args(p: argparse.ArgumentParser) -> None:
     """The decoding method and its sources (generate, serve)."""
     from dytc.sources import BOTTOMS
 
-    from .methods import METHODS
+    from .method_table import METHODS
 
     p.add_argument("--method", default="dytc", help=f"decoding method: {', '.join(METHODS)} (default dytc)")
     p.add_argument("--level", default="int4", help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
@@ -293,7 +293,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from dytc.sampling import SamplingParams
 
-    from .bench import format_table, parse_methods, read_questions, run_bench
+    from .bench import format_table, parse_methods, run_bench
+
+    from .questions import read_questions
 
     methods = parse_methods(args.methods)
     LevelConfig.parse(args.level)
@@ -313,7 +315,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_levels(args: argparse.Namespace) -> int:
     import json
 
-    from .bench import read_questions
+    from .questions import read_questions
     from .levels_report import format_levels, measure_levels, parse_levels
 
     names = parse_levels(args.levels)
@@ -355,7 +357,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from dytc.sampling import SamplingParams
 
     from .ablate import ablate, default_rows, format_results, update_readme
-    from .bench import BASELINE, parse_methods, read_questions
+    from .bench import BASELINE, parse_methods
+    from .questions import read_questions
 
     questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 1:

@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,14 +22,12 @@ from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 
 from .loading import cache_root, file_sha256
+from .questions import TurnFn
 from .usercache import locked
-
-if TYPE_CHECKING:  # (bench imports this module)
-    from .bench import TurnFn
 
 LCPP_METHODS = ("lcpp-ar", "lcpp-ar-f32")  # the stored file / its F32 dequantization
 INSTALL = ('pip install llama-cpp-python (it builds llama.cpp from source; on AVX512 CPUs set CMAKE_ARGS as in the '
-           'README\'s "llama.cpp as a baseline")')
+           'docs/benchmarking.md)')
 LLAMA_FTYPE_ALL_F32 = 0  # llama.cpp's llama_ftype for an all-F32 file
 
 

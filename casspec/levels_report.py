@@ -21,7 +21,7 @@ from dsia.kernels import time_ms
 from dsia.levels import Level, LevelConfig
 from dsia.skip import SkipSwitch, contiguous_skips, skip_plan
 
-from .bench import Question
+from .questions import Question
 from .engine import Engine
 
 DEFAULT_LEVELS = ("int8", "int4", "nf4", "skip0.4", "skip0.6", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")

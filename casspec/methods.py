@@ -1,4 +1,4 @@
-"""Decoding methods: each name maps to the drafting policy it builds, and the sources a multi-level method uses.
+"""Decoding methods' policies: each name of the method table (method_table.py) maps to the drafting policy it builds.
 
 A method is one row of `POLICIES`: a function (request, drafters) -> a fresh Policy for one generation. The levels
 are shared (built once per engine); dytc's acceptance estimates carry over generations of the same configuration.
@@ -6,25 +6,21 @@ are shared (built once per engine); dytc's acceptance estimates carry over gener
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
-from dsia.errors import CasspecError
-from dsia.levels import LevelConfig, LevelRegistry
+from dsia.levels import LevelRegistry
 from dytc.acceptance import AcceptanceTracker
-from dytc.cascade import Cascade, CascadeConfig
+from dytc.cascade import Cascade
 from dytc.policies import ChainConfig, ChainPolicy, PldPolicy, Policy, TreePolicy
 from dytc.router import DyTC, RouterConfig
-from dytc.sources import BOTTOMS, LOOKUPS, PLD
+from dytc.sources import LOOKUPS
+
+from .method_table import MULTI_LEVEL, SINGLE_LEVEL, default_sources, parse_sources
+from .request import Request
 
 if TYPE_CHECKING:
     from .plane import Plane
-    from .request import Request
 
-SINGLE_LEVEL = ("sd", "sd-rs", "tree")  # methods drafting with Request.level
-MULTI_LEVEL = ("vc", "tree+vc", "hc", "vc+hc", "dytc")  # methods drafting with Request.levels (empty: their defaults)
-SEGMENTED = ("hc", "vc+hc")  # multi-level methods whose sources are chain segments "SOURCE*K"
-WITH_BOTTOM = ("vc", "tree+vc", "vc+hc", "dytc")  # methods with statistical lookups beneath their levels
-GPU_LEVEL = "skip0.4"  # the default draft level on a GPU (see default_sources)
 
 
 @dataclass
@@ -87,52 +83,8 @@ POLICIES: dict[str, Callable[[Request, Drafters], Policy]] = {
     "vc": _vc, "tree+vc": _vc, "hc": _hc, "vc+hc": _hc,  # CS Drafting's cascades
     "dytc": _dytc,  # the Dynamic Tree Cascade router
 }
-METHODS = tuple(POLICIES)
 
 
 def make_policy(req: Request, drafters: Drafters) -> Policy:
     """The drafting policy of the request's method (a fresh one per generation)."""
     return POLICIES[req.method](req, drafters)
-
-
-def default_sources(method: str, device_type: str, plane: Plane | None = None) -> list[tuple[str, int]]:
-    """The levels (and hc segments) of a multi-level method when the request names none: the plane's choice where
-    one was measured on this machine (plane.py), else fixed ones. On the CPU the int4 kernels were the cheapest
-    drafts where measured; on a GPU a small model's forward costs its kernel launches, whatever the weights'
-    precision, so fewer layers (a skip level) is what makes a draft cheaper there (issue 18's measurement)."""
-    chosen = plane.sources(method) if plane is not None else None
-    if chosen:
-        return chosen
-    cpu = device_type == "cpu"
-    if method == "dytc":
-        return [(n, 0) for n in (RouterConfig.levels if cpu else (GPU_LEVEL,))]
-    if method in ("vc", "tree+vc"):
-        return [("int4" if cpu else GPU_LEVEL, 0)]
-    return list(CascadeConfig.hc_segments) if cpu else [(GPU_LEVEL, 4), (PLD, 4)]
-
-
-def default_levels(device_type: str, plane: Plane | None = None) -> tuple[str, ...]:
-    """The draft levels the multi-level methods route by default on this device (what a profile made on first
-    use measures besides the target)."""
-    names = [n for m in MULTI_LEVEL for n, _ in default_sources(m, device_type, plane) if n not in LOOKUPS]
-    return tuple(dict.fromkeys(names))
-
-
-def parse_sources(method: str, levels: Sequence[str]) -> list[tuple[str, int]]:
-    """Request.levels of a multi-level method -> [(source, segment tokens or 0)]; one clear error if malformed."""
-    out = []
-    for item in levels:
-        name, star, k = item.partition("*")
-        if method in SEGMENTED:
-            if not star or not k.isdigit() or int(k) < 1:
-                raise CasspecError(f"hc segment {item!r} must be SOURCE*K with K >= 1 tokens, e.g. int4*4, pld*3 "
-                                   "or maxgram*3")
-        elif star:
-            raise CasspecError(f"{method} takes level names without *K (got {item!r}); segments are for hc")
-        if name not in LOOKUPS:
-            LevelConfig.parse(name)
-        elif method not in SEGMENTED:
-            raise CasspecError(f"{method} takes its lookups from --bottom ({', '.join(BOTTOMS)}): list only dsia "
-                               "levels")
-        out.append((name, int(k) if star else 0))
-    return out

@@ -233,7 +233,7 @@ def _verify_ratio(engine: Engine, tokens: int, repeats: int) -> float:
 def measure(engine: Engine, cfg: PlaneConfig = PlaneConfig(), progress: bool = True) -> dict:
     """Measure the plane on `engine` (cost ratio and agreement of each buildable candidate; the verification
     ratio); the engine's cache is left empty."""
-    from .bench import Question
+    from .questions import Question
     from .levels_report import measure_levels
 
     names = buildable(engine, cfg.candidates)

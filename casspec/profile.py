@@ -30,7 +30,7 @@ from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyMod
                           split_heldout)
 from dytc.tree import ancestor_mask, position_ids
 
-from .methods import default_levels
+from .method_table import default_levels
 
 if TYPE_CHECKING:  # the engine imports this module on first use (autoprofile)
     from .engine import Engine

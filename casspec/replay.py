@@ -30,10 +30,12 @@ from dytc.replay import LiveStep, Recording, oracle, replay, replay_live, static
 from dytc.sources import LOOKUPS
 from dytc.tree import DraftTree, is_chain
 
-from .bench import Question, method_request
+from .bench import method_request
+
+from .questions import Question
 from .engine import Engine
 from .levels_report import teacher_forced
-from .methods import MULTI_LEVEL
+from .method_table import MULTI_LEVEL
 
 LIVE_METHODS = ("ar", "sd", "tree", "vc", "hc", "vc+hc", "dytc")  # run for real on every prompt; ar gives y
 STATIC_LIVE = ("sd", "tree", "vc", "hc", "vc+hc")  # the fixed methods dytc is held against (issue 31)

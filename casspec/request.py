@@ -10,7 +10,7 @@ from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 from dytc.sources import BOTTOMS, DEFAULT_BOTTOM
 
-from .methods import METHODS, MULTI_LEVEL, parse_sources
+from .method_table import METHODS, MULTI_LEVEL, parse_sources
 
 Prompt = str | Sequence[dict]  # raw text or chat messages [{"role": ..., "content": ...}]
 

@@ -54,7 +54,8 @@ def main() -> None:
 
 
 def _record(args: argparse.Namespace, replay) -> list[dict]:
-    from casspec.bench import read_questions, writable_folder
+    from casspec.bench import writable_folder
+    from casspec.questions import read_questions
     from casspec.engine import Engine
 
     questions = read_questions(args.questions, per_category=args.per_category)

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from casspec.bench import machine_line, read_questions
+from casspec.bench import machine_line
+
+from casspec.questions import read_questions
 from casspec.engine import Engine
 from casspec.serve import ServeConfig, background
 from dytc.latency import machine_info

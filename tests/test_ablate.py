@@ -4,7 +4,8 @@ import json
 import pytest
 
 import casspec.ablate as ab
-from casspec.bench import BASELINE, read_questions
+from casspec.bench import BASELINE
+from casspec.questions import read_questions
 from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 from tiny import tiny_engine

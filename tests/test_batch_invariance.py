@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from casspec.engine import Request
-from casspec.methods import METHODS
+from casspec.method_table import METHODS
 from dsia.cxx import build_error
 from dsia.errors import CasspecError
 from dsia.fastloop import cxx_pointwise

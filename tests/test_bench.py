@@ -1,7 +1,9 @@
 """The Spec-Bench runner: schema of summary.json, answers files, identity with the baseline, multi-turn."""
 import json
 
-from casspec.bench import BASELINE, format_table, parse_methods, read_questions, run_bench
+from casspec.bench import BASELINE, format_table, parse_methods, run_bench
+
+from casspec.questions import read_questions
 from tiny import tiny_engine
 
 
@@ -51,7 +53,9 @@ def test_a_divergence_from_ar_is_located_with_the_target_logit_gap(tmp_path):
     target's logit gap from a forward over the turn's prompt (ar's first answer as history) plus the common tokens."""
     import torch
 
-    from casspec.bench import Question, divergences, make_runner, run_question
+    from casspec.bench import divergences, make_runner, run_question
+
+    from casspec.questions import Question
 
     engine = tiny_engine("llama", 0)
     q = Question(7, "writing", ["w5 w6 w7", "w8 w9"])
@@ -118,7 +122,8 @@ def test_hf_static_cache_baseline_matches_hf_ar_and_needs_a_gpu():
 def test_each_question_starts_a_new_conversation():
     """A question's first turn prefills from scratch even where the cache holds its prompt (another method just ran
     the same question: the bench must not time that), and its second turn reuses what its first left."""
-    from casspec.bench import Question, make_runner, run_question
+    from casspec.bench import make_runner, run_question
+    from casspec.questions import Question
 
     engine = tiny_engine("llama", 0)
     q = Question(7, "writing", ["w5 w6 w7", "w8 w9"])

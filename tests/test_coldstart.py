@@ -123,7 +123,7 @@ def tiny_auto(monkeypatch):
 
 
 def test_a_profile_is_made_on_first_use_cached_and_keyed(cache, tiny_auto, capsys):
-    from casspec.methods import default_levels
+    from casspec.method_table import default_levels
 
     e = tiny_engine(autoprofile=True)
     routed = default_levels(e.device.type, e.plane)  # the levels the default methods route (the levels plane's

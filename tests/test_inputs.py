@@ -6,7 +6,8 @@ import os
 import pytest
 
 from casspec.ablate import _finished_row, _row_key
-from casspec.bench import read_questions, run_bench, writable_folder
+from casspec.bench import run_bench, writable_folder
+from casspec.questions import read_questions
 from casspec.engine import Request
 from casspec.cli import main
 from dsia.errors import CasspecError

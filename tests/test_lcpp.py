@@ -128,7 +128,7 @@ def test_bench_runs_lcpp_beside_the_other_methods(fake, tmp_path):
     assert parse_methods("lcpp-ar,ar,lcpp-ar-f32") == ["hf-ar", "lcpp-ar", "ar", "lcpp-ar-f32"]
     with pytest.raises(CasspecError, match="unknown method"):
         parse_methods("lcpp-ar:int4")
-    from casspec.bench import Question
+    from casspec.questions import Question
 
     e = tiny_engine()
     e.source = fake.gguf

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from casspec import plane as plane_mod
-from casspec.methods import Drafters, default_levels, default_sources, make_policy
+from casspec.methods import Drafters, make_policy
+from casspec.method_table import default_levels, default_sources
 from casspec.plane import Plane, PlaneConfig, chain_speedup, from_json, rank
 from casspec.request import Request
 from tiny import tiny_engine

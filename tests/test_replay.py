@@ -82,7 +82,7 @@ def test_the_oracle_is_the_optimum_and_beats_every_static_policy(case):
 def test_recording_a_tiny_engine_gives_consistent_live_steps_and_ranks():
     import torch
 
-    from casspec.bench import Question
+    from casspec.questions import Question
     from casspec.replay import LIVE_METHODS, evaluate, levels_of, record_question
     from tests.tiny import tiny_engine
 

@@ -15,16 +15,14 @@ import re
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dsia.levels import LEVELS_VERSION
 from dytc.latency import PROFILE_VERSION, read_predictor
 
+from .engine_view import EngineView
 from .loading import cache_root
 from .usercache import digest, locked, read_json, write_json
 
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 def profile_key(machine: dict, model: str, dtype: str, kernels: str = "") -> dict:
@@ -48,10 +46,9 @@ def cached_profile(key: dict) -> dict | None:
     return prof if ok and read_predictor(prof) is not None else None
 
 
-def autoprofile(engine: Engine, key: dict, progress: bool = True) -> dict | None:
+def autoprofile(engine: EngineView, key: dict, levels: tuple[str, ...], progress: bool = True) -> dict | None:
     """The cached profile of `key`, else one measured now on `engine` (and cached); None when the engine's
     context window (capped by max_context) is too small for the grid: the latency is then fitted online."""
-    from .method_table import default_levels
     from .profile import AUTO, fits, profile
 
     prof = cached_profile(key)
@@ -61,7 +58,7 @@ def autoprofile(engine: Engine, key: dict, progress: bool = True) -> dict | None
     with locked(path):
         prof = cached_profile(key)  # another process may have measured it while this one waited
         if prof is None:
-            cfg = replace(AUTO, levels=default_levels(engine.device.type, engine.plane))
+            cfg = replace(AUTO, levels=levels)
             print(f"casspec: no latency profile for {key['model']} {key['dtype']} on this machine: measuring one "
                   f"(once, up to about {AUTO.budget_s:.0f} s; cached in {path.parent}; --no-autoprofile skips it)",
                   file=sys.stderr)

@@ -44,6 +44,7 @@ from .autoprofile import cached_profile, profile_key
 from .detok import TextStream
 from .levelstore import LevelStore
 from .loading import Loaded, load
+from .method_table import default_levels
 from .methods import Drafters, make_policy
 from .native import WEIGHTS, block_kernel, native_plan
 from .plane import MIN_CONTEXT, Plane, PlaneConfig, cpu_candidates, levels_plane, plane_key
@@ -229,7 +230,8 @@ class Engine:
         if latency is not None:
             return latency, f"profile {path.name}"
         key = profile_key(machine, self.name, self._dtype_name, self.build)
-        prof = run_autoprofile(self, key) if autoprofile else cached_profile(key)
+        prof = (run_autoprofile(self, key, default_levels(self.device.type, self.plane)) if autoprofile
+                else cached_profile(key))
         latency = read_predictor(prof) if prof is not None else None
         if latency is not None:
             return latency, f"profile made on first use ({prof.get('created')})"

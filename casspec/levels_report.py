@@ -21,8 +21,8 @@ from dsia.kernels import time_ms
 from dsia.levels import Level, LevelConfig
 from dsia.skip import SkipSwitch, contiguous_skips, skip_plan
 
+from .engine_view import EngineView
 from .questions import Question
-from .engine import Engine
 
 DEFAULT_LEVELS = ("int8", "int4", "nf4", "skip0.4", "skip0.6", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
 WARMUP_PROMPT = "Write a few paragraphs about the history of printing, from woodblocks to laser printers."
@@ -38,7 +38,7 @@ class Measured:
     contiguous_agree: int = 0  # skip levels: hits with the same count of sublayers skipped contiguously
 
 
-def greedy_answer(engine: Engine, prompt: list[int], max_new_tokens: int) -> list[int]:
+def greedy_answer(engine: EngineView, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The target's greedy continuation of prompt (one-token forwards, as `ar` runs; ends with EOS where it stops),
     straight on the engine's cache: no generation machinery, so an engine still being set up can measure."""
     engine.cache.rollback(0)
@@ -53,7 +53,7 @@ def greedy_answer(engine: Engine, prompt: list[int], max_new_tokens: int) -> lis
     return out
 
 
-def _learn(engine: Engine, level: Level, tokens: int) -> None:
+def _learn(engine: EngineView, level: Level, tokens: int) -> None:
     """Let a level learn on the warm-up prompt: run its on-the-fly search to the end."""
     ids = engine.encode(WARMUP_PROMPT)
     cont = greedy_answer(engine, ids, tokens)
@@ -66,7 +66,7 @@ def _learn(engine: Engine, level: Level, tokens: int) -> None:
         level.observe(engine.model, cache, hist, [])
 
 
-def teacher_forced(engine: Engine, level: Level, prompt: list[int], cont: list[int], plans: list,
+def teacher_forced(engine: EngineView, level: Level, prompt: list[int], cont: list[int], plans: list,
                    chunk: int = CHUNK) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
     """The level's logits along the target's continuation `cont` of `prompt`, in chunks of `chunk` tokens as a
     draft sees them (reading the target's committed KV before each chunk): per chunk, (the tokens predicted [n], one
@@ -87,7 +87,7 @@ def teacher_forced(engine: Engine, level: Level, prompt: list[int], cont: list[i
         engine.extend_prefix(prompt + cont[:s + len(inputs)])
 
 
-def _agreement(engine: Engine, level: Level, prompt: list[int], cont: list[int], plans: list) -> list[int]:
+def _agreement(engine: EngineView, level: Level, prompt: list[int], cont: list[int], plans: list) -> list[int]:
     """Teacher-forced top-1 agreement counts, one per plan in `plans` (None = the level's own plan)."""
     hits = [0] * len(plans)
     for targets, logits in teacher_forced(engine, level, prompt, cont, plans):
@@ -96,7 +96,7 @@ def _agreement(engine: Engine, level: Level, prompt: list[int], cont: list[int],
     return hits
 
 
-def _cost_ratio(engine: Engine, level: Level, repeats: int) -> tuple[float, float]:
+def _cost_ratio(engine: EngineView, level: Level, repeats: int) -> tuple[float, float]:
     """(median level ms, median target ms) of a 1-token forward at the current context."""
     model, cache = engine.model, engine.cache
     L = cache.length
@@ -112,7 +112,7 @@ def _cost_ratio(engine: Engine, level: Level, repeats: int) -> tuple[float, floa
 
 
 @torch.inference_mode()
-def measure_levels(engine: Engine, questions: list[Question], names: list[str], max_new_tokens: int = 128,
+def measure_levels(engine: EngineView, questions: list[Question], names: list[str], max_new_tokens: int = 128,
                    repeats: int = 15, progress: bool = True) -> dict:
     levels = [engine.levels.get(n) for n in names]  # builds quantized copies once; bad names fail here
     for level in levels:

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -35,10 +35,9 @@ from dsia.kernels import time_ms
 from dytc.cascade import CascadeConfig
 from dytc.sources import LOOKUPS
 
+from .engine_view import EngineView
 from .usercache import digest, locked, read_json, write_json
 
-if TYPE_CHECKING:
-    from .engine import Engine
 
 COST_MARGIN = 0.1  # a level must cost this fraction less than a more accurate one to be routed beside it: a smaller
 # saving is within the cost ratio's noise (medians of 7 forwards; 3-7% between planes on the AMD EPYC) and below what
@@ -199,7 +198,7 @@ def cached_plane(key: dict, cfg: PlaneConfig = PlaneConfig()) -> Plane | None:
         return None
 
 
-def buildable(engine: Engine, names: tuple[str, ...]) -> list[str]:
+def buildable(engine: EngineView, names: tuple[str, ...]) -> list[str]:
     """The candidates this engine can build (w8a8 needs fbgemm, a shape may not fit a kernel, ...)."""
     from dsia.errors import CasspecError
 
@@ -213,7 +212,7 @@ def buildable(engine: Engine, names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _verify_ratio(engine: Engine, tokens: int, repeats: int) -> float:
+def _verify_ratio(engine: EngineView, tokens: int, repeats: int) -> float:
     """The target's forward over `tokens` new tokens (causal, at the cache's context) over its one-token forward,
     medians of interleaved timings."""
     model, cache, dev = engine.model, engine.cache, engine.device
@@ -230,7 +229,7 @@ def _verify_ratio(engine: Engine, tokens: int, repeats: int) -> float:
     return statistics.median(many) / statistics.median(one)
 
 
-def measure(engine: Engine, cfg: PlaneConfig = PlaneConfig(), progress: bool = True) -> dict:
+def measure(engine: EngineView, cfg: PlaneConfig = PlaneConfig(), progress: bool = True) -> dict:
     """Measure the plane on `engine` (cost ratio and agreement of each buildable candidate; the verification
     ratio); the engine's cache is left empty."""
     from .questions import Question
@@ -249,7 +248,7 @@ def measure(engine: Engine, cfg: PlaneConfig = PlaneConfig(), progress: bool = T
                        for n, r in report["levels"].items()}}
 
 
-def levels_plane(engine: Engine, key: dict, measure_now: bool, cfg: PlaneConfig = PlaneConfig(),
+def levels_plane(engine: EngineView, key: dict, measure_now: bool, cfg: PlaneConfig = PlaneConfig(),
                  progress: bool = True) -> Plane | None:
     """The plane of `key`: read back, else (when measure_now) measured now and cached; None otherwise."""
     plane = cached_plane(key, cfg)

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -30,10 +30,9 @@ from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyMod
                           split_heldout)
 from dytc.tree import ancestor_mask, position_ids
 
+from .engine_view import EngineView
 from .method_table import default_levels
 
-if TYPE_CHECKING:  # the engine imports this module on first use (autoprofile)
-    from .engine import Engine
 
 DEFAULT_LEVELS = ("int8", "int4", "int4+vocab", "skip0.4", "sparse0.5")  # dytc's default levels and one per strategy
 
@@ -70,12 +69,12 @@ def _tree_parents(n: int) -> list[int]:
     return [-1] + [(i - 1) // 2 for i in range(1, n)]
 
 
-def fits(engine: Engine, cfg: ProfileConfig) -> bool:
+def fits(engine: EngineView, cfg: ProfileConfig) -> bool:
     """Whether the engine's context window holds the grid (at least one context, then its longest forward)."""
     return bool(_contexts(engine, cfg))
 
 
-def _contexts(engine: Engine, cfg: ProfileConfig) -> list[int]:
+def _contexts(engine: EngineView, cfg: ProfileConfig) -> list[int]:
     room = engine.cache.capacity - max(cfg.tokens) - 1  # the longest forward must fit in the window
     ctx = sorted({min(c, room) for c in cfg.contexts if c >= 1})
     return [c for c in ctx if c >= 1]
@@ -84,7 +83,7 @@ def _contexts(engine: Engine, cfg: ProfileConfig) -> list[int]:
 Call = tuple[str, int, bool, Callable[[], object]]  # (level name, T, tree, the timed forward)
 
 
-def _calls(engine: Engine, cfg: ProfileConfig, levels: list, ids: list[int], C: int) -> list[Call]:
+def _calls(engine: EngineView, cfg: ProfileConfig, levels: list, ids: list[int], C: int) -> list[Call]:
     """Every (level, shape, T) forward of the grid at context C; the target is level TARGET_LEVEL."""
     model, cache, dev = engine.model, engine.cache, engine.device
     calls: list[Call] = []
@@ -128,7 +127,8 @@ def _rounds(calls: list[Call], cfg: ProfileConfig, dev: torch.device, bar: tqdm,
 
 
 @torch.inference_mode()
-def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> tuple[list[Point], list[list[float]]]:
+def measure_grid(engine: EngineView, cfg: ProfileConfig,
+                 progress: bool = True) -> tuple[list[Point], list[list[float]]]:
     """Time every (level, shape, T, C) point of the grid; the target is level TARGET_LEVEL. Returns the points
     (each one's ms is the `cfg.stat` of its timed rounds) and, in the same order, the ms of those rounds."""
     for name in cfg.levels:
@@ -162,7 +162,7 @@ def measure_grid(engine: Engine, cfg: ProfileConfig, progress: bool = True) -> t
     return points, runs
 
 
-def feature_spec(engine: Engine) -> FeatureSpec:
+def feature_spec(engine: EngineView) -> FeatureSpec:
     s, m = engine.model.spec, engine.model
     tensors = [m.embed, m.lm_head, m.norm] + [t for lw in m.layers for t in (*vars(lw).values(), *lw.bias.values())]
     n_params = sum(t.numel() for t in {t.data_ptr(): t for t in tensors if isinstance(t, torch.Tensor)}.values())
@@ -170,7 +170,7 @@ def feature_spec(engine: Engine) -> FeatureSpec:
                                  torch.finfo(engine.dtype).bits // 8)
 
 
-def profile(engine: Engine, cfg: ProfileConfig = ProfileConfig(), progress: bool = True) -> dict:
+def profile(engine: EngineView, cfg: ProfileConfig = ProfileConfig(), progress: bool = True) -> dict:
     """Measure the grid, fit the predictor on the kept points and score it on the held-out ones."""
     device = engine.device
     t0 = time.perf_counter()

@@ -155,10 +155,13 @@ def test_no_autoprofile_fits_online(cache, tiny_auto):
 def test_two_processes_measure_the_profile_once(cache, tiny_auto):
     from casspec.autoprofile import autoprofile, profile_key
 
+    from casspec.method_table import default_levels
+
     engines = [tiny_engine(), tiny_engine()]
+    levels = default_levels(engines[0].device.type, engines[0].plane)
     key = profile_key(machine_info("cpu"), "tiny-llama", "float32", "blas (T 1+)")
     got = [None, None]
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, autoprofile(engines[i], key, False)))
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, autoprofile(engines[i], key, levels, False)))
                for i in range(2)]
     for t in threads:
         t.start()

@@ -127,9 +127,9 @@ def small_plane(monkeypatch):
 
 def test_first_use_measures_caches_and_chooses(cache, small_plane, monkeypatch):
     from casspec import autoprofile as ap
-    monkeypatch.setattr(ap, "autoprofile", lambda engine, key, progress=True: None)  # the plane alone here
+    monkeypatch.setattr(ap, "autoprofile", lambda engine, key, levels, progress=True: None)  # the plane alone here
     from casspec import engine as engine_mod
-    monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key: None)
+    monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key, levels: None)
     e = tiny_engine(autoprofile=True)
     assert small_plane == [("int8", "int4+vocab", "bf16")]
     assert e.plane is not None and {r.name for r in e.plane.ranked} == {"int8", "int4+vocab", "bf16"}
@@ -169,7 +169,7 @@ def test_no_autoprofile_and_nothing_cached_keeps_the_fixed_defaults(cache, small
 
 def test_an_unreadable_plane_is_measured_again(cache, small_plane, monkeypatch):
     from casspec import engine as engine_mod
-    monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key: None)
+    monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key, levels: None)
     e = tiny_engine(autoprofile=True)
     (path,) = (cache / "planes").glob("*.json")
     path.write_text("{not json")

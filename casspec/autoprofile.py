@@ -11,31 +11,19 @@ atomically; one that cannot be read, or was measured under another key, is not u
 """
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dsia.levels import LEVELS_VERSION
 from dytc.latency import PROFILE_VERSION, read_predictor
 
 from .engine_view import EngineView
-from .loading import cache_root
-from .usercache import digest, locked, read_json, write_json
+from .usercache import entry_path, locked, read_json, write_json
 
-
-
-def profile_key(machine: dict, model: str, dtype: str, kernels: str = "") -> dict:
-    """Everything a profile's timings depend on (kernels: the engine's build, `Engine.build`: its dense kernels and
-    on a GPU its graphs, compiled steps and fused projections)."""
-    return {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
-            "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype,
-            "kernels": kernels, "levels": LEVELS_VERSION}
 
 
 def profile_path(key: dict) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key["model"])[:60]
-    return cache_root() / "profiles" / f"{slug}-{key['dtype']}-{digest(key)}.json"
+    return entry_path("profiles", key)
 
 
 def cached_profile(key: dict) -> dict | None:

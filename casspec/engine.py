@@ -40,7 +40,8 @@ from dytc.tree import DraftTree, ancestor_mask, depths, is_chain, position_ids
 from dytc.verify import Noise, verify_coupled, verify_greedy, verify_sampling
 
 from .autoprofile import autoprofile as run_autoprofile
-from .autoprofile import cached_profile, profile_key
+from .autoprofile import cached_profile
+from .usercache import profile_key
 from .detok import TextStream
 from .levelstore import LevelStore
 from .loading import Loaded, load

@@ -21,7 +21,9 @@ import torch
 from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 
-from .loading import cache_root, file_sha256
+from .loading import file_sha256
+
+from .usercache import cache_root
 from .questions import TurnFn
 from .usercache import locked
 

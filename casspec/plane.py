@@ -21,7 +21,6 @@ the methods keep their fixed defaults (methods.default_sources).
 """
 from __future__ import annotations
 
-import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from dytc.cascade import CascadeConfig
 from dytc.sources import LOOKUPS
 
 from .engine_view import EngineView
-from .usercache import digest, locked, read_json, write_json
+from .usercache import entry_path, locked, read_json, write_json
 
 
 COST_MARGIN = 0.1  # a level must cost this fraction less than a more accurate one to be routed beside it: a smaller
@@ -175,16 +174,13 @@ def from_json(obj: dict, cfg: PlaneConfig = PlaneConfig()) -> Plane:
 
 
 def plane_key(profile_key: dict, cfg: PlaneConfig) -> dict:
-    """Everything a plane depends on: what a latency profile does (autoprofile.profile_key) and its candidates."""
+    """Everything a plane depends on: what a latency profile does (usercache.profile_key) and its candidates."""
     return dict(profile_key, candidates=list(cfg.candidates), prompts=list(cfg.prompts),
                 max_new_tokens=cfg.max_new_tokens, version=PLANE_VERSION)
 
 
 def plane_path(key: dict) -> Path:
-    from .loading import cache_root
-
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key["model"])[:60]
-    return cache_root() / "planes" / f"{slug}-{key['dtype']}-{digest(key)}.json"
+    return entry_path("planes", key)
 
 
 def cached_plane(key: dict, cfg: PlaneConfig = PlaneConfig()) -> Plane | None:

@@ -13,7 +13,6 @@ stale or foreign file (another user's, a link planted by one) is ignored.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +20,7 @@ from dsia.errors import CasspecError
 from dytc.acceptance import AcceptanceTracker
 from dytc.latency import LatencyModel
 
-from .autoprofile import profile_key
-from .loading import cache_root
-from .usercache import digest, parse_json, read_verified, write_verified
+from .usercache import entry_path, parse_json, profile_key, read_verified, write_verified
 
 STATE_VERSION = 2  # bump when the layout of the file changes: older files are then ignored (2: latency anchors)
 
@@ -36,8 +33,7 @@ class StateFile:
     @staticmethod
     def of(machine: dict, model: str, dtype: str, kernels: str = "") -> "StateFile":
         key = profile_key(machine, model, dtype, kernels)  # (what the latency part depends on, like a profile)
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model)[:60]
-        return StateFile(cache_root() / "state" / f"{slug}-{dtype}-{digest(key)}.json", key)
+        return StateFile(entry_path("state", key), key)
 
     def load(self, latency_source: str) -> tuple[LatencyModel | None, dict[str, AcceptanceTracker]]:
         """(the latency model learned from `latency_source`, or None; the trackers by router configuration)."""

@@ -23,7 +23,7 @@ from dsia.kvcache import KVCache
 from dsia.model import Transformer
 from dytc.latency import machine_info
 
-from .loading import cache_root
+from .usercache import cache_root
 from .usercache import read_json, write_json
 
 KERNELS_FILE = "kernels.json"  # in the user cache: key -> {"names", "timings_ms", "created"}

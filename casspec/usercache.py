@@ -38,6 +38,7 @@ from typing import BinaryIO, Iterator
 from filelock import FileLock, Timeout
 
 from dsia.errors import CasspecError, warn
+from dsia.levels import LEVELS_VERSION
 
 UNWRITABLE = "unwritable user cache"  # the warning key of a failed write: one line per process, not one per file
 LOCK_TIMEOUT_S = 600.0  # longest wait for another process building the same entry before building it anyway
@@ -54,6 +55,30 @@ class ChecksumError(CasspecError):
 def digest(key: dict) -> str:
     """A short stable name for a key (a JSON-able dict of everything the entry depends on)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """The user cache's folder: $CASSPEC_CACHE, else $XDG_CACHE_HOME/casspec, else ~/.cache/casspec."""
+    if os.environ.get("CASSPEC_CACHE"):
+        return Path(os.environ["CASSPEC_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "casspec"
+
+
+def entry_path(kind: str, key: dict) -> Path:
+    """The JSON entry of `key` (which names a "model" and a "dtype") among the user cache's `kind` (profiles,
+    planes, state): `<kind>/<model>-<dtype>-<digest>.json`."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", key["model"])[:60]
+    return cache_root() / kind / f"{slug}-{key['dtype']}-{digest(key)}.json"
+
+
+def profile_key(machine: dict, model: str, dtype: str, kernels: str = "") -> dict:
+    """Everything a forward's timings depend on (machine: dytc.latency.machine_info; kernels: the engine's build,
+    `Engine.build`: its dense kernels, loops and on a GPU its graphs, compiled steps and fused projections): the key
+    of latency profiles, kept state and, with its own settings, levels planes."""
+    return {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
+            "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype,
+            "kernels": kernels, "levels": LEVELS_VERSION}
 
 
 def owned(path: Path) -> bool:

@@ -17,7 +17,7 @@ def user_cache(tmp_path_factory):
     """Tests write to a user cache of their own (CASSPEC_CACHE): profiles, learned state and kernel choices made
     by tests never reach the real one. The real cache's dequantized checkpoints are linked in (dequantizing the
     embedded model takes 15-20 s) and its kernel choice copied."""
-    from casspec.loading import cache_root
+    from casspec.usercache import cache_root
 
     real, tmp = cache_root(), tmp_path_factory.mktemp("casspec-cache")
     for entry in real.glob("gguf-*") if real.is_dir() else []:

@@ -153,7 +153,8 @@ def test_no_autoprofile_fits_online(cache, tiny_auto):
 
 
 def test_two_processes_measure_the_profile_once(cache, tiny_auto):
-    from casspec.autoprofile import autoprofile, profile_key
+    from casspec.autoprofile import autoprofile
+    from casspec.usercache import profile_key
 
     from casspec.method_table import default_levels
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from casspec import loading
+from casspec import loading, usercache
 from casspec.engine import Request
 from conftest import HAS_EMBEDDED
 
@@ -49,7 +49,7 @@ def test_cli_answers_capital_of_france():
 def test_stale_or_corrupt_cache_is_rebuilt(embedded_engine, tmp_path, monkeypatch, capsys):
     gguf = loading.embedded_gguf()
     entry_name = loading.gguf_entry(loading.file_sha256(gguf)).name
-    src = loading.cache_root() / entry_name
+    src = usercache.cache_root() / entry_name
     assert (src / loading.CACHE_MANIFEST).is_file()
     monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path))
     dst = tmp_path / entry_name

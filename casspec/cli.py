@@ -329,6 +329,7 @@ def cmd_levels(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from .method_table import default_levels
     from .profile import check_out, config_for, format_profile, profile, write_profile
 
     if args.refit:
@@ -344,7 +345,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(format_profile(prof))
         print(f"wrote {', '.join(map(str, write_profile(prof, args.out, args.plot)))}", file=sys.stderr)
         return 0
-    cfg = config_for(args.quick, args.levels, args.device.split(":")[0])
+    cfg = config_for(args.quick, args.levels, default_levels(args.device.split(":")[0]))
     check_out(args.out)
     engine = _engine(args)
     prof = profile(engine, cfg, progress=not args.no_progress)

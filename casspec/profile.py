@@ -31,7 +31,6 @@ from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyMod
 from dytc.tree import ancestor_mask, position_ids
 
 from .engine_view import EngineView
-from .method_table import default_levels
 
 
 DEFAULT_LEVELS = ("int8", "int4", "int4+vocab", "skip0.4", "sparse0.5")  # dytc's default levels and one per strategy
@@ -272,10 +271,10 @@ def write_profile(prof: dict, out: str | Path, plot: bool = False) -> list[Path]
     return written
 
 
-def config_for(quick: bool, levels: str | None, device_type: str = "cpu") -> ProfileConfig:
-    """The grid of the command line: full or quick (by default over the levels the default methods route on this
-    device), with the given comma-separated levels."""
-    cfg = replace(QUICK, levels=default_levels(device_type)) if quick else ProfileConfig()
+def config_for(quick: bool, levels: str | None, default_levels: tuple[str, ...]) -> ProfileConfig:
+    """The grid of the command line: full or quick (by default over `default_levels`: those the default methods
+    route on this device), with the given comma-separated levels."""
+    cfg = replace(QUICK, levels=default_levels) if quick else ProfileConfig()
     if levels is not None:
         names = tuple(n.strip() for n in levels.split(",") if n.strip())
         for n in names:

@@ -1,8 +1,5 @@
-"""The engine: prompt in, tokens out. The decode loop is draft -> verify -> accept -> update.
-
-Invariant: the KV cache holds every committed token except the last one (the tree root); each step runs ONE
-target forward over [root, draft nodes...], accepts a path, commits the path's KV and emits the accepted
-draft tokens plus the target's own next token (the bonus token), which becomes the next root.
+"""The engine: prompt in, tokens out. `generate` -> `_stream` (the lock, text, stops, the Result) -> `_decode` (the
+prompt's forward, the drafting context) -> `step.steps`, the decode loop: draft -> verify -> accept -> update.
 
 Threads: one engine runs one generation at a time (one KV cache; shared levels, acceptance and latency state).
 `generate`, `generate_ids`, `stream_ids`, `encode` and `decode` may be called from several threads: a generation
@@ -20,7 +17,6 @@ from contextlib import contextmanager
 from numbers import Integral
 from typing import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from dsia.errors import CasspecError
@@ -33,11 +29,10 @@ from dsia.levels import LevelRegistry
 from dsia.model import Transformer
 from dsia.pointwise import compiled_pointwise
 from dsia.spec import DEFAULT_CONTEXT
-from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
+from dytc.latency import FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy
-from dytc.sampling import SamplingParams, coupled_top, warp
-from dytc.tree import DraftTree, ancestor_mask, depths, is_chain, position_ids
-from dytc.verify import Noise, verify_coupled, verify_greedy, verify_sampling
+from dytc.sampling import SamplingParams
+from dytc.verify import Noise
 
 from .autoprofile import autoprofile as run_autoprofile
 from .autoprofile import cached_profile
@@ -52,6 +47,7 @@ from .plane import MIN_CONTEXT, Plane, PlaneConfig, cpu_candidates, levels_plane
 from .request import Prompt, Request
 from .state import StateFile
 from .stats import Result, Stats
+from .step import pick, prefill, seed_of, steps
 from .tune import kernels_for
 from .usercache import read_json
 
@@ -296,10 +292,12 @@ class Engine:
         req = Request(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                       stop=tuple(stop or ()), seed=seed, method=method, level=level, levels=tuple(levels),
                       bottom=bottom)
-        ids = self.prompt_ids(prompt, chat)
+        pieces = self._stream(self.prompt_ids(prompt, chat), req)
         if stream:
-            return self._stream(ids, req)
-        return self.generate_ids(ids, req)
+            return pieces
+        for _ in pieces:  # (-> _stream -> _decode -> step.steps: draft, verify, accept, update)
+            pass
+        return self.last_result
 
     def generate_ids(self, prompt_ids: Sequence[int], req: Request,
                      wrap: Callable[[Policy], Policy] | None = None) -> Result:
@@ -352,63 +350,60 @@ class Engine:
 
     def _stream(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None = None,
                 wrap: Callable[[Policy], Policy] | None = None) -> Iterator[str]:
+        """The generation's text pieces, the engine held throughout: blocks of tokens from the decode loop, cut at
+        EOS, a stop string or the token budget; its Result is `last_result`."""
         with self._exclusive(), paused_gc():
-            yield from self._pieces(prompt_ids, req, cancel, wrap)
-
-    # ------------------------------------------------------------------ text and stops
-    def _pieces(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None,
-                wrap: Callable[[Policy], Policy] | None) -> Iterator[str]:
-        stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
-                      kernels=self.kernels, sources=self.drafters.describe(req))
-        start = time.perf_counter()
-        policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
-        if wrap is not None:
-            policy = wrap(policy)
-        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
-        out: list[int] = []
-        text = TextStream(self.decode, req.stop)
-        t0 = time.perf_counter()
-        for block in self._decode(prompt_ids, req, stats, policy):
-            if not out:
-                stats.first_token_seconds = time.perf_counter() - start
-            for tok in block:
-                out.append(tok)
-                if tok in self.eos_ids:
-                    stats.finish_reason = "eos"
+            stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
+                          kernels=self.kernels, sources=self.drafters.describe(req))
+            start = time.perf_counter()
+            policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
+            if wrap is not None:
+                policy = wrap(policy)
+            stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
+            out: list[int] = []
+            text = TextStream(self.decode, req.stop)
+            t0 = time.perf_counter()
+            for block in self._decode(prompt_ids, req, stats, policy):
+                if not out:
+                    stats.first_token_seconds = time.perf_counter() - start
+                for tok in block:
+                    out.append(tok)
+                    if tok in self.eos_ids:
+                        stats.finish_reason = "eos"
+                        break
+                    if req.stop and text.update(out):  # each token's text, looked at for a stop string
+                        stats.finish_reason = "stop"
+                        break
+                    if len(out) >= req.max_new_tokens:
+                        stats.finish_reason = "length"
+                        break
+                if stats.finish_reason:
                     break
-                if req.stop and text.update(out):  # each token's text, looked at for a stop string
-                    stats.finish_reason = "stop"
+                text.update(out)
+                if piece := text.ready():
+                    yield piece
+                if cancel is not None and cancel.is_set():  # checked between steps: the next one does not start
+                    stats.finish_reason = "cancelled"
                     break
-                if len(out) >= req.max_new_tokens:
-                    stats.finish_reason = "length"
-                    break
-            if stats.finish_reason:
-                break
-            text.update(out)
-            if piece := text.ready():
-                yield piece
-            if cancel is not None and cancel.is_set():  # checked between steps: the next one does not start
-                stats.finish_reason = "cancelled"
-                break
-        last = text.finish(out)
-        stats.new_tokens = len(out)
-        stats.seconds = time.perf_counter() - t0
-        if self.graphs is not None:
-            stats.kernels += f"; {self.graphs.stats}"
-        if not stats.finish_reason:
-            stats.finish_reason = "context"
-        self._local.result = Result(text=text.text, token_ids=out, stats=stats)
-        if self.state is not None:
-            self.state.save(self.latency, self._state_origin, self.drafters.trackers)
-        if last:
-            yield last
+            last = text.finish(out)
+            stats.new_tokens = len(out)
+            stats.seconds = time.perf_counter() - t0
+            if self.graphs is not None:
+                stats.kernels += f"; {self.graphs.stats}"
+            if not stats.finish_reason:
+                stats.finish_reason = "context"
+            self._local.result = Result(text=text.text, token_ids=out, stats=stats)
+            if self.state is not None:
+                self.state.save(self.latency, self._state_origin, self.drafters.trackers)
+            if last:
+                yield last
 
     # ------------------------------------------------------------------ the decode loop
     @torch.inference_mode()
     def _decode(self, prompt_ids: list[int], req: Request, stats: Stats, policy: Policy) -> Iterator[list[int]]:
         """Yield blocks of committed tokens until the caller stops or the context window is full."""
         cache = self.cache
-        seed = self._seed(req)
+        seed = seed_of(req)
         # draws of drafts sampled from q (sd-rs) and of their checks; deterministic drafts use position noise, which
         # the levels' coupled drafts read too
         generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)
@@ -416,12 +411,12 @@ class Engine:
         stats.reused_tokens = self._reusable(prompt_ids)
         cache.rollback(stats.reused_tokens)
         with stats.timer("prefill"):  # the rest of the prompt in one forward; its last row gives the first token
-            root = self._pick(self.extend_prefix(prompt_ids), req.sampling, noise, len(prompt_ids))
+            root = pick(prefill(self.model, cache, prompt_ids), req.sampling, noise, len(prompt_ids))
         stats.target_forwards = 1
         ctx = DraftContext(self.model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
                            budget=req.max_new_tokens - 1, latency=self.latency, noise=noise)
         try:
-            yield from self._steps(ctx, req, stats, policy, generator, noise)
+            yield from steps(ctx, req, stats, policy, self.latency, generator, noise)  # the loop: step.py
         finally:  # (also when the caller stops early): what the cache holds, for the next prompt to reuse
             self._left = (ctx.history[:cache.length], cache.changes)
 
@@ -438,86 +433,7 @@ class Engine:
         n = min(len(left), len(prompt_ids) - 1)
         return next((i for i in range(n) if left[i] != prompt_ids[i]), max(n, 0))
 
-    def _steps(self, ctx: DraftContext, req: Request, stats: Stats, policy: Policy,
-               generator: torch.Generator | None, noise: Noise | None) -> Iterator[list[int]]:
-        cache = self.cache
-        with stats.timer("draft"):
-            policy.begin(ctx)
-        yield [ctx.history[-1]]
-        while cache.length + 1 < cache.capacity:
-            with stats.timer("draft"):
-                tree = policy.draft(ctx)  # draft
-            with stats.timer("verify"):
-                stats.predicted_verify_seconds += self._predicted_verify_ms(tree) / 1e3
-                context = cache.length
-                logits = self._verify_forward(tree)  # verify: one target forward over the whole tree
-                path, bonus = self._accept(tree, logits, req.sampling, generator, noise, context)  # accept
-                cache.commit(path)  # update: the accepted path's KV joins the committed prefix
-            if noise is not None:
-                noise.forget_before(cache.length + 1)  # (positions up to the next root's are drawn)
-                stats.noise_seconds = noise.seconds
-            emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
-            ctx.commit(emitted)
-            with stats.timer("draft"):
-                policy.observe(ctx, tree, path, emitted)
-            stats.record_step(len(tree) - 1, len(path) - 1, ctx.draft_forwards, ctx.draft_ms, policy.report())
-            yield emitted
-
-    @staticmethod
-    def _seed(req: Request) -> int:
-        """The seed of a sampled generation (a fresh one when the request has none); 0 when greedy."""
-        if req.sampling.greedy:
-            return 0
-        return req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item())
-
-    @torch.inference_mode()
     def extend_prefix(self, ids: Sequence[int]) -> torch.Tensor:
         """Commit the target's KV for ids[cache.length:] (ids must start with the committed tokens) in one
         forward; returns the logits of the last token [1, V]."""
-        cache, dev = self.cache, self.device
-        start, n = cache.length, len(ids)
-        logits = self.model.forward(cache, torch.tensor(ids[start:], device=dev), torch.arange(start, n, device=dev),
-                                    start, logits_rows=slice(n - 1 - start, n - start))
-        cache.commit(list(range(n - start)))
-        return logits
-
-    def _verify_forward(self, tree: DraftTree) -> torch.Tensor:
-        """One target forward over the flattened tree, written to scratch; the latency model learns its time.
-        Returns logits [N, V]."""
-        cache, dev = self.cache, self.device
-        chain = is_chain(tree.parents)
-        captures, t0 = self.model.graph_captures, time.perf_counter()
-        logits = self.model.forward(cache, torch.tensor(tree.tokens, device=dev),
-                                    position_ids(tree.parents, cache.length, dev), cache.length,
-                                    None if chain else ancestor_mask(tree.parents, dev))  # [N, V]
-        if logits.is_cuda:
-            torch.cuda.synchronize(dev)
-        if self.model.graph_captures == captures:  # (a forward that captured a graph is no sample of its cost)
-            self.latency.observe(TARGET_LEVEL, len(tree), cache.length, (time.perf_counter() - t0) * 1e3, not chain)
-        return logits
-
-    def _predicted_verify_ms(self, tree: DraftTree) -> float:
-        """What the latency model expects the verification of `tree` to take (0 before it knows the target)."""
-        if not self.latency.known(TARGET_LEVEL):
-            return 0.0
-        return float(self.latency.predict_mean(TARGET_LEVEL, np.array([len(tree)]), self.cache.length,
-                                               not is_chain(tree.parents))[0])  # (no uncertainty: no solve)
-
-    # sampling runs on the CPU (a few [N, V] rows per step). Deterministic drafts (ar, pld, sd, tree, vc, tree+vc, hc,
-    # vc+hc, dytc) are checked against position-owned Gumbel noise (dytc.verify.verify_coupled): a seed then gives the
-    # same tokens whatever was drafted. Drafts sampled from q (sd-rs) go through recursive rejection sampling.
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, noise: Noise | None, position: int) -> int:
-        if sampling.greedy or noise is None:
-            return int(logits[-1].argmax())
-        return int(coupled_top(logits[-1:].cpu(), sampling, noise, [position], 1)[1][0, 0])
-
-    @staticmethod
-    def _accept(tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
-                noise: Noise | None, root_position: int) -> tuple[list[int], int]:
-        if sampling.greedy or noise is None:
-            return verify_greedy(tree, logits)
-        if all(q is None for q in tree.q):
-            positions = [root_position + d + 1 for d in depths(tree.parents)]  # [N]: the position after each node
-            return verify_coupled(tree, coupled_top(logits.cpu(), sampling, noise, positions, 1)[1][:, 0].tolist())
-        return verify_sampling(tree, warp(logits.cpu(), sampling), generator)
+        return prefill(self.model, self.cache, ids)

@@ -1,4 +1,4 @@
-"""Streaming text (casspec/detok.py through Engine._pieces): the pieces concatenate to the whole output's decode
+"""Streaming text (casspec/detok.py through Engine._stream): the pieces concatenate to the whole output's decode
 (multi-byte characters split across tokens, SentencePiece leading spaces, byte fallback, skipped special tokens),
 stop strings end the text where decoding the whole output again after every token ends it, and the decoding work
 is linear in the output's length."""

@@ -56,14 +56,16 @@ RUNTIME_ONLY = ("generate", "serve")  # commands that run casspec's runtime alon
 def _engine(args: argparse.Namespace):
     """The engine the common arguments ask for (the slow part: loading, kernel choice)."""
     from .engine import Engine
+    from .target import EngineOptions
 
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, max_context=args.max_context,
-                                    kernels=args.kernels, autoprofile=not getattr(args, "no_autoprofile", True),
-                                    keep_state=args.command in RUNTIME_ONLY, hf=args.command not in RUNTIME_ONLY,
-                                    graphs=False if args.no_graphs else None,
-                                    compile_pointwise=False if args.no_compile else None,
-                                    batch_invariant=args.batch_invariant, weights=args.weights,
-                                    fast_layers=False if args.no_fast_layers else None)
+    options = EngineOptions(max_context=args.max_context, kernels=args.kernels,
+                            autoprofile=not getattr(args, "no_autoprofile", True),
+                            keep_state=args.command in RUNTIME_ONLY, graphs=False if args.no_graphs else None,
+                            compile_pointwise=False if args.no_compile else None,
+                            batch_invariant=args.batch_invariant, weights=args.weights,
+                            fast_layers=False if args.no_fast_layers else None)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
+                                    hf=args.command not in RUNTIME_ONLY, options=options)
     # what was loaded (modules, tokenizer, weights) lives as long as the command: out of the garbage collector's
     # sight, each collection visits only what generation allocates (a full one walked the whole heap: 8% of a
     # float32 generate's samples on the AMD EPYC)

@@ -10,25 +10,18 @@ unfinished gets a CasspecError (waiting would deadlock). `last_result` is per th
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from numbers import Integral
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from dsia.errors import CasspecError
-from dsia.cxx import LIBRARY_DTYPES, build_error, built, source_digest
-from dsia.fastloop import Stacks, cxx_pointwise
 from dsia.gcpause import paused_gc
-from dsia.graphs import BUCKETS, Graphs
-from dsia.kvcache import KVCache
 from dsia.levels import LevelRegistry
-from dsia.model import Transformer
-from dsia.pointwise import compiled_pointwise
-from dsia.spec import DEFAULT_CONTEXT
 from dytc.latency import FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams
@@ -36,128 +29,55 @@ from dytc.verify import Noise
 
 from .autoprofile import autoprofile as run_autoprofile
 from .autoprofile import cached_profile
-from .usercache import profile_key
 from .detok import TextStream
 from .levelstore import LevelStore
 from .loading import Loaded, load
 from .method_table import default_levels
 from .methods import Drafters, make_policy
-from .native import WEIGHTS, block_kernel, native_plan
 from .plane import MIN_CONTEXT, Plane, PlaneConfig, cpu_candidates, levels_plane, plane_key
 from .request import Prompt, Request
 from .state import StateFile
 from .stats import Result, Stats
 from .step import pick, prefill, seed_of, steps
-from .tune import kernels_for
-from .usercache import read_json
+from .target import EngineOptions, build_target
+from .usercache import profile_key, read_json
 
 
-def _library_loop(wanted: bool, required: bool) -> bool:
-    """Whether forwards run the C++ layer loop and ops: `wanted` and the library builds (built once per machine,
-    said on stderr); a CasspecError where it is `required` (--fast-layers) and does not build."""
-    if not wanted:
-        return False
-    if not built():
-        print("casspec: building the C++ layer loop (once per machine, about 15 s; --no-fast-layers runs the "
-              "Python one)", file=sys.stderr)
-    error = build_error()
-    if error is not None and required:
-        raise CasspecError(f"the C++ layer loop did not build ({error}): install a C++ compiler and ninja, "
-                           "or run without fast layers")
-    return error is None
+def _options(options: EngineOptions | None, overrides: dict[str, object]) -> EngineOptions:
+    """options with the given fields replaced (one clear error for a name EngineOptions does not have)."""
+    unknown = sorted(set(overrides) - set(EngineOptions.names()))
+    if unknown:
+        raise CasspecError(f"unknown engine option {unknown[0]!r}: use one of {', '.join(EngineOptions.names())}")
+    return replace(options or EngineOptions(), **overrides)
 
 
 class Engine:
-    def __init__(self, loaded: Loaded, max_context: int | None = None, kernels: str = "auto",
-                 graphs: bool | None = None, compile_pointwise: bool | None = None, autoprofile: bool = True,
-                 keep_state: bool = True, fuse_projections: bool | None = None, reuse_prefix: bool = True,
-                 batch_invariant: bool = False, weights: str = "float", fast_layers: bool | None = None) -> None:
-        """kernels: the target's dense products, "auto" (measured on this machine, cached) or a kernel forced for
-        every token count ("blas" | "onednn" | "mkl"). graphs: replay small forwards from CUDA graphs (default: on
-        a GPU; without CUDA, True runs the graphs' static-shape forward eagerly, as the tests do).
-        compile_pointwise: one compiled kernel per elementwise step (norms, RoPE, the MLP's activation; default: on
-        a GPU). autoprofile: measure a latency profile (about a minute, once per machine, model and dtype; user
-        cache) when none matches. keep_state: read the acceptance and latency state earlier processes learned, and
-        keep this one's for the next (user cache). fuse_projections: the target's q|k|v and gate|up products as
-        one each (default: on a GPU, where the wider products come closer to the memory's bandwidth). reuse_prefix:
-        a prompt that starts with tokens the previous generation left in the KV cache (a chat's earlier turns and
-        answer) prefills only the rest, as llama.cpp's prompt cache and vLLM's prefix caching do; that KV was
-        written by the previous generation's forwards, whose float32 results differ from one prefill's in the last
-        bits, as a tree verification's differ from a one-token step's.
-        weights: "float" runs the checkpoint's weights in the model's dtype (a quantized GGUF dequantized), "native"
-        a Q4_0 / Q4_1 / Q8_0 GGUF in its stored quantization (casspec/native.py; CPU; its forwards batch-invariant).
-        batch_invariant: each row of a target forward computed alike whatever the rows around it
-        (dsia/invariant.py), so that every method's greedy tokens are `ar`'s in bfloat16 too (bfloat16 on a CPU; its
-        forwards run eagerly).
-        fast_layers: the decoder layers of a forward as one C++ call (dsia/fastloop.py: the target's and the int4
-        levels' forwards), and a float32 forward's small steps by casspec's ops in both loops (`cxx_pointwise`);
-        default: on a CPU, where it builds, once per machine."""
+    def __init__(self, loaded: Loaded, options: EngineOptions | None = None, **overrides: object) -> None:
+        """A runtime over a loaded checkpoint, built as `options` say (target.EngineOptions; its fields may also be
+        given as keywords: Engine(loaded, kernels="blas", autoprofile=False)). With options.autoprofile, what this
+        machine has not measured yet for the checkpoint (the levels plane, a latency profile) is measured now, once
+        (user cache)."""
+        opts = _options(options, overrides)
         t0 = time.perf_counter()
         self.hf_model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
         self.source = loaded.source  # the checkpoint file or folder (None: built in memory)
-        model = loaded.runtime if loaded.runtime is not None else Transformer.from_hf(loaded.model)
-        if max_context is not None and max_context < 2:
-            raise CasspecError(f"max_context must be >= 2 (got {max_context})")
-        model = model.with_context(max_context or min(model.spec.max_context, DEFAULT_CONTEXT))
-        if weights not in WEIGHTS:
-            raise CasspecError(f"unknown weights {weights!r}: use one of {', '.join(WEIGHTS)}")
-        native = weights == "native"
-        if native:
-            if loaded.source is None or loaded.source.suffix.lower() != ".gguf":
-                raise CasspecError("--weights native runs a quantized GGUF file: pass --model FILE.gguf (or the "
-                                   "embedded default), or use --weights float")
-            model = model.with_native(native_plan(loaded.source, model))
-        cuda = model.device.type == "cuda"
-        fuse = cuda if fuse_projections is None else fuse_projections
-        if fuse:
-            model = model.with_fused_projections()
-        compiled = cuda if compile_pointwise is None else compile_pointwise
-        stacked = _library_loop(not cuda if fast_layers is None else fast_layers, required=bool(fast_layers))
-        # a native target's forwards are batch-invariant always: its kernels take bfloat16 activations, which would
-        # round a verification's last-bit differences from a one-token step (the attention's) into larger ones
-        batch_invariant = batch_invariant or native
-        # casspec's own products and attention give each row the same bits whatever the rows beside it (by
-        # construction, on every CPU): a batch-invariant target runs them where the library is built
-        own = stacked and not compiled and not cuda  # (the library's ops: its attention in LIBRARY_DTYPES)
-        dense, self.kernels = kernels_for(model, kernels, invariant=batch_invariant and own)
-        model = model.with_dense(dense)
-        if batch_invariant:
-            if graphs or compile_pointwise:
-                raise CasspecError("batch-invariant forwards run eagerly: leave CUDA graphs and compiled "
-                                   "elementwise steps off with them")
-            model = model.with_batch_invariant(own_attention=own and model.dtype in LIBRARY_DTYPES)
-            self.kernels += "; batch-invariant"
-        if compiled:
-            model = model.with_pointwise(compiled_pointwise())
-        if stacked:
-            model = model.with_stacks(Stacks())
-            if not compiled:  # a forward's small steps by the same library's ops (where they take it), in both loops
-                model = model.with_pointwise(cxx_pointwise())
-        if graphs is None:
-            graphs = cuda
-        # what a forward's time depends on besides the machine, model and dtype: profiles and state are kept per build
-        self.build = "; ".join([dense.describe()] + [name for name, on in (
-            ("native weights (casspec's block kernel)" if native and block_kernel() else "native weights",
-             native), ("fused projections", fuse), ("compiled pointwise", compiled),
-            ("CUDA graphs", graphs), ("c++ layers", stacked), ("c++ ops", stacked and not compiled), ("batch-invariant",
-            batch_invariant), (f"casspec library {source_digest()}", not cuda and build_error() is None)) if on])
-        self.cache: KVCache = model.new_cache(model.context, spare=BUCKETS[-1] if graphs else 0)
-        self.graphs = Graphs(model, self.cache) if graphs else None
-        self.model = model.with_graphs(self.graphs)
+        target = build_target(loaded, opts)
+        self.model, self.cache, self.graphs = target.model, target.cache, target.graphs
+        self.kernels, self.build = target.kernels, target.build
         self.eos_ids = self._eos_ids(loaded.generation_eos)
         store = LevelStore(loaded.store_dir / "levels", self.dtype, self.device) if loaded.store_dir else None
         self.levels = LevelRegistry(self.model, store=store)  # draft levels, built on first use and reused
         self.setup = {"kernels": time.perf_counter() - t0}  # seconds of set-up by phase, until a generation reports
         t0 = time.perf_counter()
-        self.plane = self._levels_plane(autoprofile)  # chooses the default draft levels (before they are profiled)
+        self.plane = self._levels_plane(opts.autoprofile)  # chooses the default draft levels (before they are profiled)
         self.setup["plane"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.latency, self.latency_source = self._latency_model(autoprofile)
+        self.latency, self.latency_source = self._latency_model(opts.autoprofile)
         self.setup["profile"] = time.perf_counter() - t0
         self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, self.build)
-                      if keep_state else None)
+                      if opts.keep_state else None)
         self._state_origin = self.latency_source  # the latency model the kept state grew from
         learned, trackers = self.state.load(self._state_origin) if self.state else (None, {})
         if learned is not None:
@@ -167,26 +87,20 @@ class Engine:
         self._lock = threading.Lock()  # held by the generation that runs (see the module's docstring)
         self._owner: int | None = None  # the thread that holds it
         self._local = threading.local()  # per thread: the Result of its latest generation
-        self.reuse_prefix = reuse_prefix
+        self.reuse_prefix = opts.reuse_prefix
         self._left: tuple[list[int], int] = ([], -1)  # tokens the last generation left committed, cache.changes then
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
-                        device: str | torch.device = "cpu", max_context: int | None = None,
-                        kernels: str = "auto", graphs: bool | None = None, compile_pointwise: bool | None = None,
-                        autoprofile: bool = True, keep_state: bool = True, hf: bool = True,
-                        fuse_projections: bool | None = None, reuse_prefix: bool = True,
-                        batch_invariant: bool = False, weights: str = "float",
-                        fast_layers: bool | None = None) -> "Engine":
+                        device: str | torch.device = "cpu", hf: bool = True, options: EngineOptions | None = None,
+                        **overrides: object) -> "Engine":
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
-        model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start)."""
+        model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start). options: as
+        Engine's (its fields may also be given as keywords: max_context=512, kernels="blas", ...)."""
         t0 = time.perf_counter()
         loaded = load(model, dtype, device, hf)
         load_s = time.perf_counter() - t0
-        engine = cls(loaded, max_context, kernels, graphs=graphs, compile_pointwise=compile_pointwise,
-                     autoprofile=autoprofile, keep_state=keep_state, fuse_projections=fuse_projections,
-                     reuse_prefix=reuse_prefix, batch_invariant=batch_invariant, weights=weights,
-                     fast_layers=fast_layers)
+        engine = cls(loaded, _options(options, overrides))
         engine.setup = {"load": load_s, **engine.setup}
         return engine
 

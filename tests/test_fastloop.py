@@ -221,10 +221,10 @@ def test_onednn_steps_and_batch_invariant_targets_run_the_python_loop():
 def test_engine_builds_it_by_default_and_says_so(monkeypatch, capsys):
     assert "c++ layers" in tiny_engine("llama").build
     assert "building" not in capsys.readouterr().err  # (built already: nothing said)
-    monkeypatch.setattr("casspec.engine.built", lambda: False)
+    monkeypatch.setattr("casspec.target.built", lambda: False)
     assert "c++ layers" in tiny_engine("llama").build
     assert "casspec: building the C++ layer loop (once per machine" in capsys.readouterr().err
-    monkeypatch.setattr("casspec.engine.build_error", lambda: "CalledProcessError: c++ not found")
+    monkeypatch.setattr("casspec.target.build_error", lambda: "CalledProcessError: c++ not found")
     assert "c++ layers" not in tiny_engine("llama").build  # the default falls back to the Python loop quietly
     with pytest.raises(CasspecError, match="did not build .*install a C\\+\\+ compiler"):
         tiny_engine("llama", fast_layers=True)

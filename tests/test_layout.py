@@ -16,7 +16,7 @@ CASSPEC_LAYERS = (
     ("usercache", "questions", "engine_view", "detok", "stats"),  # shared
     ("weights", "ggufcheck", "native", "ggufweights", "loading", "levelstore", "state"),  # checkpoints, kept state
     ("tune", "autoprofile", "plane", "profile", "levels_report"),  # measuring the machine
-    ("method_table", "request", "methods", "step", "engine"),  # the runtime
+    ("method_table", "request", "methods", "target", "step", "engine"),  # the runtime
     ("bench", "lcpp", "ablate", "replay", "calls", "scheduler", "guard", "metrics", "serve"),  # tools, the server
     ("cli", "__main__", ""),  # the command line (and the package's exports)
 )

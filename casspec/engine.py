@@ -97,10 +97,11 @@ class Engine:
         """model: None (embedded SmolLM2-135M-Instruct), an HF checkpoint folder, or a .gguf file. hf=False: no HF
         model (engine.hf_model None) where the runtime reads the checkpoint itself (a faster start). options: as
         Engine's (its fields may also be given as keywords: max_context=512, kernels="blas", ...)."""
+        opts = _options(options, overrides)  # (checked before anything loads)
         t0 = time.perf_counter()
         loaded = load(model, dtype, device, hf)
         load_s = time.perf_counter() - t0
-        engine = cls(loaded, _options(options, overrides))
+        engine = cls(loaded, opts)
         engine.setup = {"load": load_s, **engine.setup}
         return engine
 

@@ -47,6 +47,18 @@ def test_cli_refuses_bad_sampling_values_in_one_line(capsys):
         assert rc == 2 and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_an_unknown_engine_option_is_refused_before_loading(monkeypatch):
+    """Engine options (target.EngineOptions) given as keywords are checked by name before any checkpoint loads."""
+    import casspec.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "load", lambda *a, **k: pytest.fail("loaded before checking the options"))
+    with pytest.raises(CasspecError, match="unknown engine option 'max_ctx'.*max_context"):
+        engine_mod.Engine.from_pretrained(None, max_ctx=512)
+    e = tiny_engine()
+    with pytest.raises(CasspecError, match="unknown engine option 'graph'"):
+        engine_mod.Engine(engine_mod.Loaded(e.hf_model, e.tokenizer, "tiny"), graph=True)
+
+
 def test_non_utf8_prompt_is_refused():
     e = tiny_engine("llama", 0)
     bad = b"w5 \xff w6".decode("utf-8", "surrogateescape")  # what argv holds for such bytes

@@ -13,7 +13,6 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -22,7 +21,7 @@ from tqdm import tqdm
 
 from dsia.errors import CasspecError
 from dsia.levels import LevelConfig
-from dytc.latency import machine_info
+from dytc.machine import machine_info
 from dytc.ngram import PLD_NUM_TOKENS
 from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
@@ -31,7 +30,8 @@ from dytc.sources import BOTTOMS
 from .engine import Engine
 from .lcpp import LCPP_METHODS, lcpp_runner
 from .method_table import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
-from .questions import Question, TurnFn
+from .divergence import divergences, first_difference
+from .questions import Answer, Question, TurnFn
 from .request import Request
 from .stats import policy_ms_per_step
 
@@ -50,23 +50,6 @@ HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": PLD_NUM_TOKENS
 HF_COMPILED = "hf-ar-compiled"
 BASELINES = tuple(HF_METHODS) + LCPP_METHODS  # other engines' generation, beside casspec's methods
 BENCH_METHODS = BASELINES + METHODS
-
-
-@dataclass
-class Answer:
-    question_id: int | str
-    category: str
-    turns: list[str] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)
-    new_tokens: list[int] = field(default_factory=list)
-    wall_time: list[list[float]] = field(default_factory=list)  # per turn: one wall time per repeat
-    forwards: list[int] = field(default_factory=list)  # target forwards per turn
-    stats: list[dict] = field(default_factory=list)  # per turn: the engine's stats (empty for HF methods)
-
-    def speed(self) -> float:
-        """New tokens / wall time over all turns, with each turn's median wall time over repeats."""
-        seconds = sum(statistics.median(w) for w in self.wall_time)
-        return sum(self.new_tokens) / seconds if seconds > 0 else 0.0
 
 
 def writable_folder(path: str | Path) -> Path:
@@ -271,52 +254,6 @@ def summarize(engine: Engine, answers: dict[str, list[Answer]], max_new_tokens: 
             "sampling": vars(sampling), "baseline": BASELINE, "methods": methods}
 
 
-def first_difference(a: list[int], b: list[int]) -> int:
-    """The first index where two different token lists differ (the shorter one's length if it is a prefix)."""
-    return next(i for i, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y)
-
-
-REFERENCE = "ar"  # casspec's own one-token decoding: what every engine method's greedy output is compared with
-
-
-def first_divergence(engine: Engine, q: Question, ref: Answer, ans: Answer) -> dict | None:
-    """Where a greedy answer first leaves the reference's (None: every turn equal): the turn, the token index, the
-    two tokens, and the target's logits there, from one forward over the turn's prompt (the reference's earlier
-    answers as history, equal to the method's) plus the tokens both emitted: gap = logit[reference's token] -
-    logit[method's token] (> 0 where the reference took the target's argmax), margin = top-1 - top-2 logit."""
-    messages: list[dict] = []
-    for t, (mine, theirs) in enumerate(zip(ans.token_ids, ref.token_ids)):
-        messages.append({"role": "user", "content": q.turns[t]})
-        if mine != theirs:
-            i = first_difference(mine, theirs)
-            # (None where one answer stopped and the other went on)
-            a, b = (theirs[i] if i < len(theirs) else None), (mine[i] if i < len(mine) else None)
-            with torch.inference_mode():
-                engine.cache.rollback(0)
-                logits = engine.extend_prefix(engine.encode(messages) + theirs[:i])[-1].float()  # [V]
-            top2 = logits.topk(2).values
-            gap = None if a is None or b is None else float(logits[a] - logits[b])
-            return {"question_id": q.question_id, "turn": t, "index": i, "reference_token": a, "token": b,
-                    "gap": gap, "margin": float(top2[0] - top2[1])}
-        messages.append({"role": "assistant", "content": ref.turns[t]})
-    return None
-
-
-def divergences(engine: Engine, questions: list[Question], answers: dict[str, list[Answer]]) -> dict:
-    """Per engine method: whether its greedy output equals `ar`'s (REFERENCE) and, per question that differs, the
-    first divergence (`first_divergence`). Empty unless the run holds `ar`."""
-    if REFERENCE not in answers:
-        return {}
-    ref = answers[REFERENCE]
-    out = {}
-    for m, ans in answers.items():
-        if m in BASELINES or m == REFERENCE:
-            continue
-        found = [d for q, r, a in zip(questions, ref, ans) if (d := first_divergence(engine, q, r, a)) is not None]
-        out[m] = {"identical_to_ar": not found, "ar_divergences": found}
-    return out
-
-
 def _engine_stats(ans: list[Answer]) -> dict:
     """Draft / verify time split and acceptance by depth, summed over every turn (engine methods only).
 
@@ -427,7 +364,7 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
                                                  "token_ids": a.token_ids}]}) + "\n")
     summary = summarize(engine, answers, max_new_tokens, dtype, sampling)
     if sampling.greedy:  # (after the timed runs)
-        for m, d in divergences(engine, questions, answers).items():
+        for m, d in divergences(engine, questions, answers, BASELINES).items():
             summary["methods"][m].update(d)
     else:
         summary["seed"] = seed

@@ -22,7 +22,8 @@ import torch
 from dsia.errors import CasspecError
 from dsia.gcpause import paused_gc
 from dsia.levels import LevelRegistry
-from dytc.latency import FeatureSpec, LatencyModel, machine_info, read_predictor, select_profile
+from dytc.latency import FeatureSpec, LatencyModel, read_predictor, select_profile
+from dytc.machine import machine_info
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams
 from dytc.verify import Noise

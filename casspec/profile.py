@@ -26,8 +26,9 @@ from dsia.errors import CasspecError
 from dsia.kernels import time_ms
 from dsia.levels import LevelConfig
 from dsia.vocab import VocabConfig
-from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyModel, Point, heldout_mape, machine_info,
+from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyModel, Point, heldout_mape,
                           split_heldout)
+from dytc.machine import machine_info
 from dytc.tree import ancestor_mask, position_ids
 
 from .engine_view import EngineView

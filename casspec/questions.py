@@ -1,10 +1,11 @@
 """Spec-Bench-format questions: a JSONL file of {"question_id", "category", "turns": [str, ...]} per line, read and
-checked (bench, the levels plane's agreement measurement, ablations, the oracle replay); and the signature of
-what runs one turn of one (bench's methods, llama.cpp's)."""
+checked (bench, the levels plane's agreement measurement, ablations, the oracle replay); the signature of what
+runs one turn of one (bench's methods, llama.cpp's); and the answers a method gave them (`Answer`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -63,3 +64,20 @@ def read_questions(path: str | Path, limit: int | None = None, per_category: int
                 kept.append(q)
         questions = kept
     return questions
+
+
+@dataclass
+class Answer:
+    question_id: int | str
+    category: str
+    turns: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    wall_time: list[list[float]] = field(default_factory=list)  # per turn: one wall time per repeat
+    forwards: list[int] = field(default_factory=list)  # target forwards per turn
+    stats: list[dict] = field(default_factory=list)  # per turn: the engine's stats (empty for HF methods)
+
+    def speed(self) -> float:
+        """New tokens / wall time over all turns, with each turn's median wall time over repeats."""
+        seconds = sum(statistics.median(w) for w in self.wall_time)
+        return sum(self.new_tokens) / seconds if seconds > 0 else 0.0

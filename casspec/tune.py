@@ -21,7 +21,7 @@ from dsia.errors import CasspecError
 from dsia.kernels import BUCKETS, DenseKernels, candidates, choose, measure, time_ms
 from dsia.kvcache import KVCache
 from dsia.model import Transformer
-from dytc.latency import machine_info
+from dytc.machine import machine_info
 
 from .usercache import cache_root
 from .usercache import read_json, write_json

@@ -73,7 +73,7 @@ def entry_path(kind: str, key: dict) -> Path:
 
 
 def profile_key(machine: dict, model: str, dtype: str, kernels: str = "") -> dict:
-    """Everything a forward's timings depend on (machine: dytc.latency.machine_info; kernels: the engine's build,
+    """Everything a forward's timings depend on (machine: dytc.machine.machine_info; kernels: the engine's build,
     `Engine.build`: its dense kernels, loops and on a GPU its graphs, compiled steps and fused projections): the key
     of latency profiles, kept state and, with its own settings, levels planes."""
     return {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],

@@ -28,11 +28,8 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
-import os
-import platform
 import random
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -316,51 +313,6 @@ def heldout_mape(model: LatencyModel, held: list[Point]) -> dict[str, float]:
         mean, _ = model.predict_ms(p.level, p.tokens, p.context, p.tree)
         errs.setdefault(p.level, []).append(abs(mean - p.ms) / p.ms)
     return {level: float(np.mean(e)) for level, e in errs.items()}
-
-
-# ---------------------------------------------------------------------- machine and profile selection
-def _cpuinfo(key: str) -> str | None:
-    """The value of the first `key` line of /proc/cpuinfo (None where there is none or it is not readable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
-# /proc/cpuinfo flags that change which CPU kernels are fast (named with every measurement)
-
-
-def cpu_flags() -> list[str]:
-    """The ISA_FLAGS this CPU reports (empty where /proc/cpuinfo is not readable)."""
-    have = set((_cpuinfo("flags") or "").split())
-    return [flag for flag in ISA_FLAGS if flag in have]
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        return metadata.version(pkg)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info(device: str = "cpu") -> dict:
-    """What identifies the machine a measurement was made on (for profiles, cpu and gpu are the matching keys;
-    cpu_flags names the ISA extensions that decide which kernels are fast)."""
-    import torch
-
-    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
-    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "gpu": gpu, "torch": torch.__version__, "transformers": _version("transformers"),
-            "platform": platform.platform()}
 
 
 def default_profiles() -> Path:

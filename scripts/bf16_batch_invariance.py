@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from casspec.bench import first_difference
+from casspec.divergence import first_difference
 from casspec.engine import Engine
 from casspec.loading import load
 from casspec.request import Request
@@ -34,7 +34,7 @@ from dsia.invariant import RowKeys, block_attention, invariant_linear
 from dsia.kernels import time_ms
 from dsia.model import Transformer
 from dsia.pointwise import rms_norm
-from dytc.latency import machine_info
+from dytc.machine import machine_info
 from dytc.tree import ancestor_mask, position_ids
 
 ROWS = (2, 4, 8, 16, 32)  # row counts a row is compared in

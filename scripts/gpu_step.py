@@ -21,7 +21,7 @@ from casspec.engine import Engine
 from casspec.loading import load
 from casspec.tune import floor_ms, read_gbs
 from dsia.kernels import time_ms
-from dytc.latency import machine_info
+from dytc.machine import machine_info
 
 
 # the engine set-ups timed: everything eager; CUDA graphs; CUDA graphs with compiled elementwise steps, with the

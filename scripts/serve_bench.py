@@ -29,7 +29,7 @@ from casspec.bench import machine_line
 from casspec.questions import read_questions
 from casspec.engine import Engine
 from casspec.serve import ServeConfig, background
-from dytc.latency import machine_info
+from dytc.machine import machine_info
 
 
 def direct(engine: Engine, prompt: str, method: str, max_tokens: int) -> tuple[float, float, int, str]:

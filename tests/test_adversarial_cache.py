@@ -19,7 +19,7 @@ from casspec.state import StateFile
 from casspec.usercache import owned, read_verified, write_atomic, write_json, write_verified
 from dsia.errors import CasspecError
 from dsia.quant import QuantCodec, QuantConfig, quantize_linears
-from dytc.latency import machine_info
+from dytc.machine import machine_info
 from tiny import tiny_engine, tiny_gguf
 
 ROOT = os.geteuid() == 0  # only root can plant files that belong to another user

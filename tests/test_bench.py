@@ -53,7 +53,8 @@ def test_a_divergence_from_ar_is_located_with_the_target_logit_gap(tmp_path):
     target's logit gap from a forward over the turn's prompt (ar's first answer as history) plus the common tokens."""
     import torch
 
-    from casspec.bench import divergences, make_runner, run_question
+    from casspec.bench import BASELINES, make_runner, run_question
+    from casspec.divergence import divergences
 
     from casspec.questions import Question
 
@@ -63,7 +64,7 @@ def test_a_divergence_from_ar_is_located_with_the_target_logit_gap(tmp_path):
     other = run_question(engine, make_runner(engine, "ar"), q, 8, None)
     wrong = (other.token_ids[1][3] + 1) % 40 + 3
     other.token_ids[1] = other.token_ids[1][:3] + [wrong] + other.token_ids[1][4:]
-    found = divergences(engine, [q], {BASELINE: [ar], "ar": [ar], "sd": [other]})
+    found = divergences(engine, [q], {BASELINE: [ar], "ar": [ar], "sd": [other]}, BASELINES)
     assert set(found) == {"sd"} and found["sd"]["identical_to_ar"] is False
     (d,) = found["sd"]["ar_divergences"]
     assert (d["question_id"], d["turn"], d["index"]) == (7, 1, 3)
@@ -74,7 +75,8 @@ def test_a_divergence_from_ar_is_located_with_the_target_logit_gap(tmp_path):
         logits = engine.hf_model(torch.tensor([prompt + ar.token_ids[1][:3]])).logits[0, -1]  # [V]
     assert abs(d["gap"] - float(logits[d["reference_token"]] - logits[wrong])) < 1e-4
     assert d["gap"] >= 0 and d["margin"] >= 0  # ar took the argmax
-    assert divergences(engine, [q], {BASELINE: [ar], "sd": [other]}) == {}  # no ar in the run: nothing to compare
+    # no ar in the run: nothing to compare
+    assert divergences(engine, [q], {BASELINE: [ar], "sd": [other]}, BASELINES) == {}
 
 
 def test_method_specs_with_variants():

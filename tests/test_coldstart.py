@@ -16,7 +16,8 @@ from casspec.state import StateFile
 from dsia.cxx import build_error
 from dsia.quant import QuantCodec, QuantConfig, quantize_linears
 from dytc.acceptance import AcceptanceTracker
-from dytc.latency import TARGET_LEVEL, machine_info
+from dytc.latency import TARGET_LEVEL
+from dytc.machine import machine_info
 
 PROMPT = [5, 17, 33, 5, 17, 40, 41, 5, 17]
 

@@ -161,7 +161,8 @@ def test_a_corrupt_committed_profile_of_this_machine_is_skipped_with_one_warning
     """A shipped profile that matches this machine, model and dtype but is truncated, not an object, or has a
     malformed predictor is skipped (the engine fits its latency online), never a KeyError."""
     import dytc.latency
-    from dytc.latency import PROFILE_VERSION, machine_info
+    from dytc.latency import PROFILE_VERSION
+    from dytc.machine import machine_info
     from tiny import tiny_engine
 
     machine = machine_info("cpu")

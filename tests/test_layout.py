@@ -17,8 +17,9 @@ CASSPEC_LAYERS = (
     ("weights", "ggufcheck", "native", "ggufweights", "loading", "levelstore", "state"),  # checkpoints, kept state
     ("tune", "autoprofile", "plane", "profile", "levels_report"),  # measuring the machine
     ("method_table", "request", "methods", "target", "step", "engine"),  # the runtime
-    ("bench", "lcpp", "ablate", "replay", "calls", "scheduler", "guard", "metrics", "serve"),  # tools, the server
-    ("cli", "__main__", ""),  # the command line (and the package's exports)
+    ("bench", "divergence", "lcpp", "ablate", "replay",  # tools
+     "calls", "scheduler", "guard", "metrics", "serve"),  # the server
+    ("cli_args", "cli", "__main__", ""),  # the command line (and the package's exports)
 )
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60

@@ -28,7 +28,7 @@ from dsia.cxx import build_error
 from dsia.layer import FUSED_GROUPS
 from dsia.model import Transformer
 from dsia.plan import Plan
-from dsia.quant import FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
+from dsia.qkernels import FusedLinear, Int4Linear, Int8GroupLinear, QuantLinear, int4_fits
 
 from .ggufcheck import GGUFFile
 

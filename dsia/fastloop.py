@@ -40,7 +40,7 @@ from .layer import FUSED_GROUPS, KvAccess
 from .model import Transformer
 from .pointwise import EAGER, Pointwise
 from .plan import Plan
-from .quant import FusedLinear, Int4Linear, Int8GroupLinear
+from .qkernels import FusedLinear, Int4Linear, Int8GroupLinear
 
 if TYPE_CHECKING:
     from .kvcache import KVCache

@@ -9,7 +9,7 @@ import pytest
 from casspec import stats as stats_module
 from casspec.engine import Request
 from casspec.method_table import METHODS
-from dsia.quant import w8a8_available
+from dsia.qkernels import w8a8_available
 from dytc.router import RouterConfig
 from tiny import tiny_engine
 

@@ -105,3 +105,20 @@ def test_the_layout_check_finds_an_upward_import_and_a_cycle(tmp_path):
     known = {"dsia.m": f, "dsia.b": f, "casspec.engine": f}
     assert imports("dsia.m", f, known) == {"dsia.b", "casspec.engine"}
     assert layer("casspec.engine") > layer("dsia.m")
+
+
+def test_sizes_one_person_reads_at_once():
+    """No module of casspec, dsia or dytc over MAX_MODULE_LINES lines, no function over MAX_FUNCTION_LINES."""
+    over = []
+    for mod, f in modules().items():
+        if mod.partition(".")[0] == "scripts":
+            continue
+        src = f.read_text()
+        if src.count("\n") > MAX_MODULE_LINES:
+            over.append(f"{mod}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    over.append(f"{mod}.{node.name}: {n} lines")
+    assert not over, f"split these by responsibility: {over}"

@@ -8,13 +8,14 @@ import importlib.util
 import pytest
 import torch
 
-from dsia import quant
+from dsia import layer, qkernels, quant
 from dsia.blockq import BlockLinear
 from dsia.cxx import build_error
 from dsia.errors import CasspecError
 from dsia.model import Transformer
-from dsia.quant import (HEAD, HEAD_KINDS, KINDS, SHORTLIST, QuantCodec, QuantConfig, RescoredHead, quantize_head,
-                        quantize_linears, quantize_weight)
+from dsia.qkernels import SHORTLIST, RescoredHead
+from dsia.quant import (HEAD, HEAD_KINDS, KINDS, QuantCodec, QuantConfig, quantize_head, quantize_linears,
+                        quantize_weight)
 from tiny import tiny_model
 
 BNB_KINDS = ("nf4",)
@@ -27,7 +28,7 @@ def has_bnb() -> bool:
 def kind_param(kind: str):
     marks = [pytest.mark.skipif(not has_bnb(), reason="needs bitsandbytes")] if kind in BNB_KINDS else []
     if kind == "w8a8":
-        marks = [pytest.mark.skipif(not quant.w8a8_available(), reason="needs torch's fbgemm kernels")]
+        marks = [pytest.mark.skipif(not qkernels.w8a8_available(), reason="needs torch's fbgemm kernels")]
     return pytest.param(kind, marks=marks, id=kind)
 
 
@@ -216,7 +217,7 @@ def test_plan_forward_equals_dense_forward_with_dequantized_weights(arch, kind, 
 def test_plan_forward_close_to_target(model, kind):
     q = quantize_linears(model, QuantConfig(kind, head_kind=None))
     plan = q.plan()
-    covered = set(q.linears) | {(i, n) for (i, g) in q.fused for n in quant.FUSED_GROUPS[g]}
+    covered = set(q.linears) | {(i, n) for (i, g) in q.fused for n in layer.FUSED_GROUPS[g]}
     assert not plan.is_target and len(covered) == 7 * model.spec.n_layers and q.head is not None
     toks = torch.randint(0, 112, (12,), generator=torch.Generator().manual_seed(1))
     ref = model.forward(model.new_cache(32), toks, torch.arange(12), 0)
@@ -282,11 +283,12 @@ def test_odd_dims_fall_back_to_int8():
     ref = m.forward(m.new_cache(16), toks, torch.arange(10), 0)
     out = m.forward(m.new_cache(16), toks, torch.arange(10), 0, plan=q.plan())
     assert rel(out, ref) < 0.6
-    assert isinstance(quantize_weight(torch.randn(97, 64), "int4", QuantConfig("int4", blocks=False)), quant.Int8Linear)
+    torch_kernels = QuantConfig("int4", blocks=False)
+    assert isinstance(quantize_weight(torch.randn(97, 64), "int4", torch_kernels), qkernels.Int8Linear)
     if build_error() is None:  # the block kernel takes any out (padded to 16) where in % 32 == 0
         assert isinstance(quantize_weight(torch.randn(97, 64), "int4", QuantConfig("int4")), BlockLinear)
-        assert isinstance(quantize_weight(torch.randn(97, 48), "int4", QuantConfig("int4")), quant.Int8Linear)
-    assert isinstance(quantize_weight(torch.randn(64, 96), "int4", QuantConfig("int4", 64)), quant.Int8Linear)
+        assert isinstance(quantize_weight(torch.randn(97, 48), "int4", QuantConfig("int4")), qkernels.Int8Linear)
+    assert isinstance(quantize_weight(torch.randn(64, 96), "int4", QuantConfig("int4", 64)), qkernels.Int8Linear)
     if has_bnb():
         q = quantize_linears(m, QuantConfig("nf4", head_kind=None))
         assert q.kinds[(0, "down")] == "int8" and q.kinds[(0, "q")] == "int8"  # out 48 % 32, in 48 % 32
@@ -349,7 +351,7 @@ def test_missing_bitsandbytes_says_how_to_install(model, monkeypatch):
             raise ImportError(f"No module named {name!r}")
         return real(name, *a, **k)
 
-    monkeypatch.setattr(quant.importlib, "import_module", fake)
+    monkeypatch.setattr(qkernels.importlib, "import_module", fake)
     for kind in BNB_KINDS:
         with pytest.raises(CasspecError, match="pip install bitsandbytes") as e:
             quantize_linears(model, QuantConfig(kind))

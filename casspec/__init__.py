@@ -1,4 +1,4 @@
-"""casspec: lossless self-speculative decoding. The API is `casspec.engine.Engine`; every bad input raises
+"""casspec: lossless self-speculative decoding. The API is `casspec.runtime.engine.Engine`; every bad input raises
 `CasspecError` (defined in the bottom layer, dsia/errors.py, so that every layer can raise it)."""
 from importlib.metadata import PackageNotFoundError, version
 
@@ -9,4 +9,12 @@ try:
 except PackageNotFoundError:  # running from a checkout that is not installed
     __version__ = "0+unknown"
 
-__all__ = ["CasspecError", "__version__"]
+__all__ = ["CasspecError", "Engine", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "Engine":
+        from .runtime.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'casspec' has no attribute {name!r}")

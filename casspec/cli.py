@@ -22,8 +22,8 @@ RUNTIME_ONLY = ("generate", "serve")  # commands that run casspec's runtime alon
 
 def _engine(args: argparse.Namespace):
     """The engine the common arguments ask for (the slow part: loading, kernel choice)."""
-    from .engine import Engine
-    from .target import EngineOptions
+    from .runtime.engine import Engine
+    from .runtime.target import EngineOptions
 
     options = EngineOptions(max_context=args.max_context, kernels=args.kernels,
                             autoprofile=not getattr(args, "no_autoprofile", True),
@@ -48,8 +48,8 @@ def _levels_list(levels: str | None) -> tuple[str, ...]:
 def cmd_tune(args: argparse.Namespace) -> int:
     from dsia.model import Transformer
 
-    from .loading import load
-    from .tune import format_steps, format_tuning, step_times, tuned_kernels
+    from .loading.checkpoints import load
+    from .calibrate.tune import format_steps, format_tuning, step_times, tuned_kernels
 
     model = Transformer.from_hf(load(args.model, args.dtype, args.device).model)
     kernels, rec = tuned_kernels(model, refresh=args.refresh)
@@ -65,7 +65,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from dytc.sampling import SamplingParams
 
-    from .request import Request
+    from .runtime.request import Request
 
     if not args.prompt.strip():
         raise CasspecError("the prompt is empty: pass some text")
@@ -92,13 +92,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from .serve import ServeConfig, bind, serve
+        from .serve.app import ServeConfig, bind, serve
     except ImportError as e:
         raise CasspecError(f"casspec serve needs its extra ({e.name} is missing): pip install 'casspec[serve]'") \
             from None
     from dataclasses import fields
 
-    from .calls import Limits
+    from .serve.calls import Limits
 
     # validate everything and take the port before the (slow) load
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
@@ -114,9 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from dytc.sampling import SamplingParams
 
-    from .bench import format_table, parse_methods, run_bench
+    from .tools.bench import format_table, parse_methods, run_bench
 
-    from .questions import read_questions
+    from .calibrate.questions import read_questions
 
     methods = parse_methods(args.methods)
     LevelConfig.parse(args.level)
@@ -136,8 +136,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_levels(args: argparse.Namespace) -> int:
     import json
 
-    from .questions import read_questions
-    from .levels_report import format_levels, measure_levels, parse_levels
+    from .calibrate.questions import read_questions
+    from .calibrate.levels_report import format_levels, measure_levels, parse_levels
 
     names = parse_levels(args.levels)
     questions = read_questions(args.questions, args.limit, args.per_category)
@@ -150,13 +150,13 @@ def cmd_levels(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .method_table import default_levels
-    from .profile import check_out, config_for, format_profile, profile, write_profile
+    from .runtime.method_table import default_levels
+    from .calibrate.profile import check_out, config_for, format_profile, profile, write_profile
 
     if args.refit:
         import json
 
-        from .profile import refit
+        from .calibrate.profile import refit
 
         try:
             prof = refit(json.loads(Path(args.out).read_text()))
@@ -178,9 +178,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_ablate(args: argparse.Namespace) -> int:
     from dytc.sampling import SamplingParams
 
-    from .ablate import ablate, default_rows, format_results, update_readme
-    from .bench import BASELINE, parse_methods
-    from .questions import read_questions
+    from .tools.ablate import ablate, default_rows, format_results, update_readme
+    from .tools.bench import BASELINE, parse_methods
+    from .calibrate.questions import read_questions
 
     questions = read_questions(args.questions, args.limit, args.per_category)
     if args.max_new_tokens < 1:

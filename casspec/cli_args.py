@@ -9,7 +9,7 @@ from dsia.kernels import KERNELS
 from dsia.spec import DEFAULT_CONTEXT
 from dytc.sources import DEFAULT_BOTTOM
 
-from .native import WEIGHTS
+from .loading.native import WEIGHTS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +69,7 @@ def _method_args(p: argparse.ArgumentParser) -> None:
     """The decoding method and its sources (generate, serve)."""
     from dytc.sources import BOTTOMS
 
-    from .method_table import METHODS
+    from .runtime.method_table import METHODS
 
     p.add_argument("--method", default="dytc", help=f"decoding method: {', '.join(METHODS)} (default dytc)")
     p.add_argument("--level", default="int4", help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
@@ -117,7 +117,7 @@ def _limits_args(s: argparse.ArgumentParser) -> None:
     """serve's bounds on what one call and its client may cost: an option per calls.Limits field, its default."""
     from dataclasses import fields
 
-    from .calls import LIMITS_HELP, Limits
+    from .serve.calls import LIMITS_HELP, Limits
 
     g = s.add_argument_group("limits", "what one call and its client may cost (a call over a limit gets 400 naming "
                              "the parameter)")

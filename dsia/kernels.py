@@ -6,8 +6,8 @@ op torch.compile's CPU backend emits) read the row-major float32 weights 1.5-2x 
 products of decoding on an AMD EPYC with AVX512-BF16, and about 1.9x slower than BLAS on an Intel Xeon with AMX and
 a 300 MB L3; there MKL's sgemm over weights packed once (`mkl`) verified a 14-token tree in 50 ms where BLAS took
 80, but one token in 40 ms where BLAS took 28. So the choice is measured on the machine it runs on (`measure` +
-`choose`), per token-count bucket, and cached by the caller (casspec/tune.py). Their float32 results differ from
-BLAS's in the last bits (another summation order), as a tree verification's do from a one-token step's.
+`choose`), per token-count bucket, and cached by the caller (casspec/calibrate/tune.py). Their float32 results differ
+from BLAS's in the last bits (another summation order), as a tree verification's do from a one-token step's.
 """
 from __future__ import annotations
 

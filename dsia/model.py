@@ -40,7 +40,8 @@ class Transformer(Variants):
                  lm_head: Tensor, inv_freq: Tensor, rope_scale: float) -> None:
         self.spec = spec
         # the dense product of every target linear and the head, per token count: oneDNN where it exists for the
-        # dtype, else BLAS; `with_dense` gives a view running the fastest measured on this machine (casspec.tune)
+        # dtype, else BLAS; `with_dense` gives a view running the fastest measured on this machine
+        # (casspec.calibrate.tune)
         self.dense = DenseKernels.default(embed.dtype, embed.device)
         self.graphs: GraphBackend | None = None  # CUDA graphs of small forwards (`with_graphs`); None runs eagerly
         self.pointwise = EAGER  # the elementwise steps (`with_pointwise`: compiled ones on a GPU)

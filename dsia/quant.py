@@ -11,7 +11,7 @@ Kinds (weight-only, activations go through the kernel in `act_dtype`, the output
   nf4       bitsandbytes NF4 (block absmax), its fused AVX512-BF16 CPU kernel
   bf16      the weights rounded to bfloat16, a dense bfloat16 product (`F.linear`): half the bytes of float32 and
             nearly its agreement; cheap where the CPU multiplies bfloat16 natively (AMX, AVX512-BF16), which is
-            what the levels plane (casspec/plane.py) measures before choosing it
+            what the levels plane (casspec/calibrate/plane.py) measures before choosing it
   w8a8      per-output-channel symmetric int8 weights and per-call int8 activations, fbgemm's dynamic quantized
             linear (AVX512-VNNI / AVX2 integer products; CPU only, where torch has it): the activations are
             quantized too, so it drafts less exactly than weight-only int8, but over 4-16 tokens it ran 3-5x

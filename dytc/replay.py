@@ -1,5 +1,5 @@
 """Offline replay of drafting policies over a teacher-forced recording: the oracle replay that audits the router
-(issue 31). casspec/replay.py records; this module only computes, from plain data.
+(issue 31). casspec/tools/replay.py records; this module only computes, from plain data.
 
 A `Recording` holds, for one prompt (a question's turn) and the target's greedy output y[0..T-1] (y[0] comes from
 the prefill; a step at position j has y[j-1] as its root and drafts y[j], y[j+1], ...):

@@ -89,8 +89,8 @@ def coupled_top(logits: Tensor, params: SamplingParams, noise: Noise, positions:
     scores at them (probabilities, float32), [T, k] each; logits [T, V] of the draft, row j's g the noise of
     positions[j] (float64; only the candidates' noise is drawn where they hold the support). With k = 1, of the
     target's logits, the target's own sample at each row (Gumbel-max: distributed as warp(p)), the one function
-    that draws it for every method (`casspec.engine`), so a seed gives the same tokens whatever was drafted. Each
-    row's result depends on that row alone.
+    that draws it for every method (`casspec.runtime.step`), so a seed gives the same tokens whatever was drafted.
+    Each row's result depends on that row alone.
 
     The same tokens as `warp` over the whole row, but cheaper: where a row's warped support lies within its
     `candidates` most likely tokens (top-k no wider than them, or a nucleus they reach), only they are warped and

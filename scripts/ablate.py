@@ -3,7 +3,7 @@
     python scripts/ablate.py --questions ../shared/specbench/dev.jsonl [--limit 12] [--max-new-tokens 128]
         [--model M] [--dtype float32] [--rows a,b,...] [--out results] [--readme README.md]
 
-The same as `casspec ablate` (see casspec/ablate.py for the rows, the columns and the plots).
+The same as `casspec ablate` (see casspec/tools/ablate.py for the rows, the columns and the plots).
 """
 from __future__ import annotations
 

@@ -26,10 +26,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from casspec.divergence import first_difference
-from casspec.engine import Engine
-from casspec.loading import load
-from casspec.request import Request
+from casspec.tools.divergence import first_difference
+from casspec.runtime.engine import Engine
+from casspec.loading.checkpoints import load
+from casspec.runtime.request import Request
 from dsia.invariant import RowKeys, block_attention, invariant_linear
 from dsia.kernels import time_ms
 from dsia.model import Transformer

@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from casspec.engine import Engine
-from casspec.loading import load
-from casspec.tune import floor_ms, read_gbs
+from casspec.runtime.engine import Engine
+from casspec.loading.checkpoints import load
+from casspec.calibrate.tune import floor_ms, read_gbs
 from dsia.kernels import time_ms
 from dytc.machine import machine_info
 

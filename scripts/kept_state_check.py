@@ -39,8 +39,8 @@ def split(path: Path, per_category: int) -> tuple[list[dict], list[dict]]:
 
 def run_pass(questions: list[dict], max_new_tokens: int) -> float:
     """dytc over the questions' first turns with kept state: tokens per second of generation."""
-    from casspec.engine import Engine
-    from casspec.loading import embedded_gguf
+    from casspec.runtime.engine import Engine
+    from casspec.loading.checkpoints import embedded_gguf
 
     engine = Engine.from_pretrained(str(embedded_gguf()), dtype="float32", device="cpu", autoprofile=True,
                                     keep_state=True)

@@ -2,7 +2,7 @@
 
 Records, over every turn of each question (greedy, float32), the live steps of ar, sd, tree, vc, hc, vc+hc and dytc,
 and teacher-forced along the target's output what every level and lookup would have drafted at each position, with
-this machine's latency model as costs (casspec/replay.py, dytc/replay.py); then prints the regret table and writes
+this machine's latency model as costs (casspec/tools/replay.py, dytc/replay.py); then prints the regret table and writes
 out/recordings.jsonl, out/rows.json and out/replay.md.
 
     python scripts/oracle_replay.py --questions ../shared/specbench/dev.jsonl --per-category 2 --out results/replay
@@ -31,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
 
     from dsia.errors import CasspecError
-    from casspec import replay
+    from casspec.tools import replay
     try:
         if args.replay is not None:
             if not args.replay.is_file():
@@ -54,9 +54,9 @@ def main() -> None:
 
 
 def _record(args: argparse.Namespace, replay) -> list[dict]:
-    from casspec.bench import writable_folder
-    from casspec.questions import read_questions
-    from casspec.engine import Engine
+    from casspec.tools.bench import writable_folder
+    from casspec.calibrate.questions import read_questions
+    from casspec.runtime.engine import Engine
 
     questions = read_questions(args.questions, per_category=args.per_category)
     out = writable_folder(args.out)

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import httpx
 
-from casspec.bench import machine_line
+from casspec.tools.bench import machine_line
 
-from casspec.questions import read_questions
-from casspec.engine import Engine
-from casspec.serve import ServeConfig, background
+from casspec.calibrate.questions import read_questions
+from casspec.runtime.engine import Engine
+from casspec.serve.app import ServeConfig, background
 from dytc.machine import machine_info
 
 

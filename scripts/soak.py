@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from casspec.engine import Engine
+from casspec.runtime.engine import Engine
 
 
 def rss_mb() -> float:

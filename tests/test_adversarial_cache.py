@@ -1,7 +1,8 @@
-"""The user cache trusts only what casspec wrote (casspec/usercache.py, loading.py, levelstore.py, state.py): files
-planted beside a manifest, files changed with their size and time put back, links planted at temporary names or
-as an entry folder, another user's files, and a GGUF swapped or rewritten between its hash and its parse each end
-in a safe rebuild or a clear error, within seconds, the victim files untouched."""
+"""The user cache trusts only what casspec wrote (casspec/cache/usercache.py, loading/checkpoints.py,
+loading/levelstore.py, cache/state.py): files planted beside a manifest, files changed with their size and time put
+back, links planted at temporary names or as an entry folder, another user's files, and a GGUF swapped or rewritten
+between its hash and its parse each end in a safe rebuild or a clear error, within seconds, the victim files
+untouched."""
 import json
 import os
 import time
@@ -11,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from casspec import loading, usercache
-from casspec.ggufcheck import GGUFFile
-from casspec.levelstore import LevelStore
-from casspec.request import Request
-from casspec.state import StateFile
-from casspec.usercache import owned, read_verified, write_atomic, write_json, write_verified
+from casspec.loading import checkpoints as loading
+from casspec.cache import usercache
+from casspec.loading.ggufcheck import GGUFFile
+from casspec.loading.levelstore import LevelStore
+from casspec.runtime.request import Request
+from casspec.cache.state import StateFile
+from casspec.cache.usercache import owned, read_verified, write_atomic, write_json, write_verified
 from dsia.errors import CasspecError
 from dsia.quant import QuantCodec, QuantConfig, quantize_linears
 from dytc.machine import machine_info

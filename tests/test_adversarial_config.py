@@ -124,7 +124,7 @@ def test_rope_tables_are_sized_by_the_context_used_not_the_files_claim(monkeypat
 
 
 def test_token_ids_outside_the_vocabulary_are_one_error_and_the_engine_goes_on():
-    from casspec.request import Request
+    from casspec.runtime.request import Request
 
     engine = tiny_engine("llama")
     for ids in ([5, 97], [-1, 3], [5, 2**70], [5, 3.0], [True, 4]):
@@ -147,7 +147,7 @@ def test_a_crafted_config_json_is_refused_before_any_weight_is_read(tmp_path, hf
     import json
     import shutil
 
-    from casspec.loading import load
+    from casspec.loading.checkpoints import load
 
     d = tmp_path / "m"
     shutil.copytree(hf_dir, d)

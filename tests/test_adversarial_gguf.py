@@ -1,6 +1,6 @@
 """Crafted checkpoint files: casspec's bounded readers refuse each one with one CasspecError line, in bounded time
-and memory, before any library parser touches it. GGUF (casspec/ggufcheck.py): huge counts and lengths, the 49-byte
-file with a 2^62-element array that hangs gguf's GGUFReader, nested arrays, unknown types, bad shapes, aliased,
+and memory, before any library parser touches it. GGUF (casspec/loading/ggufcheck.py): huge counts and lengths, the
+49-byte file with a 2^62-element array that hangs gguf's GGUFReader, nested arrays, unknown types, bad shapes, aliased,
 gapped, misaligned and out-of-file offsets, truncation at every byte, random mutations (hypothesis: a file the check
 accepts is one GGUFReader reads the same way); config.json (huge, deeply nested); safetensors headers (huge header
 length, out-of-file offsets, aliasing, dtype / shape / size mismatches)."""
@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from casspec import loading
-from casspec.ggufcheck import GGUFFile, check_gguf
-from casspec.usercache import JSON_MAX_BYTES, JSON_MAX_DEPTH, read_json_file
-from casspec.weights import SAFETENSORS_MAX_HEADER, read_safetensors
+from casspec.loading import checkpoints as loading
+from casspec.loading.ggufcheck import GGUFFile, check_gguf
+from casspec.cache.usercache import JSON_MAX_BYTES, JSON_MAX_DEPTH, read_json_file
+from casspec.loading.weights import SAFETENSORS_MAX_HEADER, read_safetensors
 from dsia.errors import CasspecError
 from tiny import tiny_gguf, tiny_model, tiny_tokenizer
 
@@ -236,7 +236,7 @@ def test_the_tensors_of_the_tiny_model_cannot_share_bytes(tmp_path, monkeypatch)
 
 
 def test_native_checks_the_file_before_gguf_reads_it(tmp_path):
-    from casspec.native import native_plan
+    from casspec.loading.native import native_plan
 
     path = tmp_path / "bad.gguf"
     path.write_bytes(forty_nine_bytes())
@@ -531,7 +531,7 @@ def test_a_truncated_safetensors_in_a_checkpoint_is_one_clear_error(hf_dir, caps
 def test_only_the_files_the_checkpoint_lists_are_read(hf_dir):
     """An extra *.safetensors beside a checkpoint's model.safetensors (which transformers would not read) is not
     read; an index names the shards, and one outside the folder is refused."""
-    from casspec.weights import read_runtime
+    from casspec.loading.weights import read_runtime
     from safetensors.torch import save_file
 
     save_file({"model.embed_tokens.weight": torch.zeros(97, 64)}, hf_dir / "zz-planted.safetensors")

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from casspec.engine import Request
-from casspec.method_table import METHODS
+from casspec.runtime.engine import Request
+from casspec.runtime.method_table import METHODS
 from dsia.cxx import build_error
 from dsia.errors import CasspecError
 from dsia.fastloop import cxx_pointwise

@@ -1,9 +1,9 @@
 """The Spec-Bench runner: schema of summary.json, answers files, identity with the baseline, multi-turn."""
 import json
 
-from casspec.bench import BASELINE, format_table, parse_methods, run_bench
+from casspec.tools.bench import BASELINE, format_table, parse_methods, run_bench
 
-from casspec.questions import read_questions
+from casspec.calibrate.questions import read_questions
 from tiny import tiny_engine
 
 
@@ -53,10 +53,10 @@ def test_a_divergence_from_ar_is_located_with_the_target_logit_gap(tmp_path):
     target's logit gap from a forward over the turn's prompt (ar's first answer as history) plus the common tokens."""
     import torch
 
-    from casspec.bench import BASELINES, make_runner, run_question
-    from casspec.divergence import divergences
+    from casspec.tools.bench import BASELINES, make_runner, run_question
+    from casspec.tools.divergence import divergences
 
-    from casspec.questions import Question
+    from casspec.calibrate.questions import Question
 
     engine = tiny_engine("llama", 0)
     q = Question(7, "writing", ["w5 w6 w7", "w8 w9"])
@@ -80,7 +80,7 @@ def test_a_divergence_from_ar_is_located_with_the_target_logit_gap(tmp_path):
 
 
 def test_method_specs_with_variants():
-    from casspec.bench import method_request
+    from casspec.tools.bench import method_request
     from dytc.sources import BOTTOMS, DEFAULT_BOTTOM
 
     (DEFAULT_LOOKUP,) = BOTTOMS[DEFAULT_BOTTOM]
@@ -107,7 +107,7 @@ def test_per_category_takes_the_first_questions_of_every_category(tmp_path):
 def test_hf_static_cache_baseline_matches_hf_ar_and_needs_a_gpu():
     import pytest
 
-    from casspec.bench import _hf_runner, make_runner
+    from casspec.tools.bench import _hf_runner, make_runner
     from dsia.errors import CasspecError
     from dytc.sampling import SamplingParams
 
@@ -124,8 +124,8 @@ def test_hf_static_cache_baseline_matches_hf_ar_and_needs_a_gpu():
 def test_each_question_starts_a_new_conversation():
     """A question's first turn prefills from scratch even where the cache holds its prompt (another method just ran
     the same question: the bench must not time that), and its second turn reuses what its first left."""
-    from casspec.bench import make_runner, run_question
-    from casspec.questions import Question
+    from casspec.tools.bench import make_runner, run_question
+    from casspec.calibrate.questions import Question
 
     engine = tiny_engine("llama", 0)
     q = Question(7, "writing", ["w5 w6 w7", "w8 w9"])

@@ -1,4 +1,4 @@
-"""The dequantized-GGUF cache (casspec/loading.py) on a tiny GGUF: an unwritable cache or a full disk runs
+"""The dequantized-GGUF cache (casspec/loading/checkpoints.py) on a tiny GGUF: an unwritable cache or a full disk runs
 uncached with one warning line, stale build folders are removed, two processes build an entry once, same-size
 garbage is caught by the manifest's checksums (checked on every load, whatever the file's time says), and an
 unreadable GGUF is one clear error. (Planted files and swaps: test_adversarial_cache.py.)"""
@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from casspec import loading
-from casspec.ggufcheck import GGUFFile
-from casspec.usercache import STALE_BUILD_S, locked
+from casspec.loading import checkpoints as loading
+from casspec.loading.ggufcheck import GGUFFile
+from casspec.cache.usercache import STALE_BUILD_S, locked
 from dsia.errors import CasspecError
 from tiny import tiny_gguf
 

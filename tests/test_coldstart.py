@@ -8,11 +8,11 @@ import pytest
 import torch
 from tiny import tiny_engine, tiny_model, tiny_tokenizer
 
-from casspec.engine import Engine
-from casspec.levelstore import LevelStore
-from casspec.loading import Loaded
-from casspec.request import Request
-from casspec.state import StateFile
+from casspec.runtime.engine import Engine
+from casspec.loading.levelstore import LevelStore
+from casspec.loading.checkpoints import Loaded
+from casspec.runtime.request import Request
+from casspec.cache.state import StateFile
 from dsia.cxx import build_error
 from dsia.quant import QuantCodec, QuantConfig, quantize_linears
 from dytc.acceptance import AcceptanceTracker
@@ -108,7 +108,7 @@ def test_learned_state_is_kept_between_engines_and_a_bad_file_is_ignored(cache):
 @pytest.fixture
 def tiny_auto(monkeypatch):
     """The profile made on first use over a tiny grid, counting its measurements."""
-    from casspec import profile as prof_mod
+    from casspec.calibrate import profile as prof_mod
 
     measured = []
     real = prof_mod.profile
@@ -124,7 +124,7 @@ def tiny_auto(monkeypatch):
 
 
 def test_a_profile_is_made_on_first_use_cached_and_keyed(cache, tiny_auto, capsys):
-    from casspec.method_table import default_levels
+    from casspec.runtime.method_table import default_levels
 
     e = tiny_engine(autoprofile=True)
     routed = default_levels(e.device.type, e.plane)  # the levels the default methods route (the levels plane's
@@ -154,10 +154,10 @@ def test_no_autoprofile_fits_online(cache, tiny_auto):
 
 
 def test_two_processes_measure_the_profile_once(cache, tiny_auto):
-    from casspec.autoprofile import autoprofile
-    from casspec.usercache import profile_key
+    from casspec.calibrate.autoprofile import autoprofile
+    from casspec.cache.usercache import profile_key
 
-    from casspec.method_table import default_levels
+    from casspec.runtime.method_table import default_levels
 
     engines = [tiny_engine(), tiny_engine()]
     levels = default_levels(engines[0].device.type, engines[0].plane)
@@ -175,7 +175,7 @@ def test_two_processes_measure_the_profile_once(cache, tiny_auto):
 def test_profile_rounds_stop_when_the_budget_is_spent():
     from tqdm import tqdm
 
-    from casspec.profile import ProfileConfig, _rounds
+    from casspec.calibrate.profile import ProfileConfig, _rounds
 
     calls = [("target", t, False, lambda: None) for t in (1, 2, 3)]
     cfg = ProfileConfig(repeats=4, warmup=1)
@@ -224,7 +224,7 @@ def _named(t) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False),
                                       ("mistral", False)])
 def test_the_runtime_read_from_files_is_the_wrapped_hf_model(tmp_path, arch, tie):
-    from casspec.weights import read_runtime
+    from casspec.loading.weights import read_runtime
     from dsia.model import Transformer
 
     from transformers import AutoModelForCausalLM
@@ -241,7 +241,7 @@ def test_the_runtime_read_from_files_is_the_wrapped_hf_model(tmp_path, arch, tie
 
 
 def test_generate_without_the_hf_model_is_exact(tmp_path):
-    from casspec.loading import load
+    from casspec.loading.checkpoints import load
 
     tiny_model().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)

@@ -3,8 +3,8 @@ decoding of every method on the GPU."""
 import pytest
 import torch
 
-from casspec.engine import Engine, Request
-from casspec.loading import Loaded
+from casspec.runtime.engine import Engine, Request
+from casspec.loading.checkpoints import Loaded
 from dsia.model import Transformer
 from tiny import ARCHS, tiny_model, tiny_tokenizer
 

@@ -122,7 +122,7 @@ def test_a_weight_changed_in_place_is_packed_again():
 
 
 def test_the_engine_with_it_decodes_the_targets_tokens():
-    from casspec.request import Request
+    from casspec.runtime.request import Request
     from tiny import tiny_engine
 
     ref = tiny_engine("llama", kernels="blas").generate_ids([5, 17, 9], Request(max_new_tokens=12)).token_ids

@@ -1,4 +1,4 @@
-"""Streaming text (casspec/detok.py through Engine._stream): the pieces concatenate to the whole output's decode
+"""Streaming text (casspec/runtime/detok.py through Engine._stream): the pieces concatenate to the whole output's decode
 (multi-byte characters split across tokens, SentencePiece leading spaces, byte fallback, skipped special tokens),
 stop strings end the text where decoding the whole output again after every token ends it, and the decoding work
 is linear in the output's length."""
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from casspec.engine import Engine, Request
-from casspec.stats import Result
+from casspec.runtime.engine import Engine, Request
+from casspec.runtime.stats import Result
 from tiny import tiny_engine, tiny_tokenizer
 
 ALPHABET = "ab xyz.,!\n" + "éïñü" + "世界中文字" + "😀🚀👍🏽🧑‍🚀"  # one to four UTF-8 bytes a char

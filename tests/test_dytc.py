@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from casspec.engine import Request
+from casspec.runtime.engine import Request
 from dsia.errors import CasspecError
 from dytc.acceptance import LEARNED, AcceptanceConfig, AcceptanceTracker
 from dytc.cascade import CascadeConfig

@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from casspec import loading, usercache
-from casspec.engine import Request
+from casspec.loading import checkpoints as loading
+from casspec.cache import usercache
+from casspec.runtime.engine import Request
 from conftest import HAS_EMBEDDED
 
 pytestmark = [pytest.mark.embedded,

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from casspec.engine import Request
+from casspec.runtime.engine import Request
 from dsia.errors import CasspecError
 from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams

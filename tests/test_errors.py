@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from casspec import loading
+from casspec.loading import checkpoints as loading
 from casspec.cli import main
 
 
@@ -138,7 +138,7 @@ def test_console_script_error_has_no_traceback(tmp_path):
 
 
 def test_chat_messages_need_a_template(hf_dir):
-    from casspec.engine import Engine
+    from casspec.runtime.engine import Engine
     from dsia.errors import CasspecError
 
     e = Engine.from_pretrained(str(hf_dir), autoprofile=False, keep_state=False)

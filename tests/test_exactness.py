@@ -6,9 +6,9 @@ import functools
 
 import pytest
 
-from casspec import stats as stats_module
-from casspec.engine import Request
-from casspec.method_table import METHODS
+from casspec.runtime import stats as stats_module
+from casspec.runtime.engine import Request
+from casspec.runtime.method_table import METHODS
 from dsia.qkernels import w8a8_available
 from dytc.router import RouterConfig
 from tiny import tiny_engine

@@ -79,7 +79,7 @@ def test_dense_targets_equal_the_python_loop(arch, kernels, fused, dtype):
 def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
     """A target run as stored: its block products (q|k|v, o, gate|up, down per layer), and its batch-invariant
     attention (each row over its own keys: the one-token step and the tree's rows; and by SDPA)."""
-    from casspec.engine import Engine
+    from casspec.runtime.engine import Engine
 
     for qtype in ("Q4_0", "Q8_0"):
         path = tiny_gguf(tmp_path / f"t-{qtype}.gguf", dim=64, heads=4, kv_heads=2, qtype=qtype, pad_vocab=13)
@@ -182,7 +182,7 @@ def test_a_native_target_runs_in_one_parallel_region(tmp_path, qtype):
     """A GGUF target run as stored (batch-invariant: every forward attends with casspec's attention) runs each
     forward in one region: a prefill of 21 rows (past one block of 16 query rows), a step, a tree; heads of 16 and
     of 32 (each head's outputs half a block of o's input, or one: quantized after the attention or with it)."""
-    from casspec.engine import Engine
+    from casspec.runtime.engine import Engine
 
     for dim, heads in ((64, 4), (64, 2)):
         path = tiny_gguf(tmp_path / f"t-{qtype}-{heads}.gguf", dim=dim, heads=heads, kv_heads=1, qtype=qtype,
@@ -221,10 +221,10 @@ def test_onednn_steps_and_batch_invariant_targets_run_the_python_loop():
 def test_engine_builds_it_by_default_and_says_so(monkeypatch, capsys):
     assert "c++ layers" in tiny_engine("llama").build
     assert "building" not in capsys.readouterr().err  # (built already: nothing said)
-    monkeypatch.setattr("casspec.target.built", lambda: False)
+    monkeypatch.setattr("casspec.runtime.target.built", lambda: False)
     assert "c++ layers" in tiny_engine("llama").build
     assert "casspec: building the C++ layer loop (once per machine" in capsys.readouterr().err
-    monkeypatch.setattr("casspec.target.build_error", lambda: "CalledProcessError: c++ not found")
+    monkeypatch.setattr("casspec.runtime.target.build_error", lambda: "CalledProcessError: c++ not found")
     assert "c++ layers" not in tiny_engine("llama").build  # the default falls back to the Python loop quietly
     with pytest.raises(CasspecError, match="did not build .*install a C\\+\\+ compiler"):
         tiny_engine("llama", fast_layers=True)

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from casspec.loading import load
-from casspec.weights import PROJECTIONS
+from casspec.loading.checkpoints import load
+from casspec.loading.weights import PROJECTIONS
 from dsia.errors import CasspecError
 from tiny import tiny_gguf, tiny_model, tiny_tokenizer
 

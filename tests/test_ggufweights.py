@@ -1,14 +1,14 @@
-"""casspec's own GGUF weight reader (casspec/ggufweights.py): a Llama GGUF's weights equal transformers' reading of the
-same file bit for bit (every stored type it takes, q/k rows back in transformers' order, grouped-query heads); what
-it does not take (another architecture or type) is left to transformers; the loader's cache is built from it."""
+"""casspec's own GGUF weight reader (casspec/loading/ggufweights.py): a Llama GGUF's weights equal transformers' reading
+of the same file bit for bit (every stored type it takes, q/k rows back in transformers' order, grouped-query heads);
+what it does not take (another architecture or type) is left to transformers; the loader's cache is built from it."""
 import pytest
 import torch
 from tiny import tiny_gguf
 
-from casspec import loading
-from casspec.ggufcheck import GGUFFile
-from casspec.ggufweights import hf_name, state_dict
-from casspec.native import unpermute
+from casspec.loading import checkpoints as loading
+from casspec.loading.ggufcheck import GGUFFile
+from casspec.loading.ggufweights import hf_name, state_dict
+from casspec.loading.native import unpermute
 
 
 def transformers_state(path):
@@ -94,7 +94,7 @@ def test_the_cache_parses_the_header_once_and_its_tokenizer_loads_by_its_own_cla
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers import AutoTokenizer
 
-    from casspec.weights import read_tokenizer
+    from casspec.loading.weights import read_tokenizer
 
     monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path / "cache"))
     path = tiny_gguf(tmp_path / "m.gguf", seed=3, dim=64, heads=4, kv_heads=2, qtype="Q4_1")

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from casspec.engine import Request
+from casspec.runtime.engine import Request
 from dsia.graphs import BUCKETS, Graphs, capturable
 from dsia.model import Transformer
 from dsia.plan import Plan

@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from casspec.ablate import _finished_row, _row_key
-from casspec.bench import run_bench, writable_folder
-from casspec.questions import read_questions
-from casspec.engine import Request
+from casspec.tools.ablate import _finished_row, _row_key
+from casspec.tools.bench import run_bench, writable_folder
+from casspec.calibrate.questions import read_questions
+from casspec.runtime.engine import Request
 from casspec.cli import main
 from dsia.errors import CasspecError
 from dytc.sampling import GREEDY_BELOW, SamplingParams
@@ -49,7 +49,7 @@ def test_cli_refuses_bad_sampling_values_in_one_line(capsys):
 
 def test_an_unknown_engine_option_is_refused_before_loading(monkeypatch):
     """Engine options (target.EngineOptions) given as keywords are checked by name before any checkpoint loads."""
-    import casspec.engine as engine_mod
+    import casspec.runtime.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "load", lambda *a, **k: pytest.fail("loaded before checking the options"))
     with pytest.raises(CasspecError, match="unknown engine option 'max_ctx'.*max_context"):
@@ -114,7 +114,7 @@ def test_ablation_rows_truncated_or_measured_otherwise_are_run_again(tmp_path, c
 def test_a_checkpoint_missing_weight_tensors_is_refused(tmp_path, hf):
     from safetensors.torch import load_file, save_file
 
-    from casspec.loading import load
+    from casspec.loading.checkpoints import load
     from tiny import tiny_model, tiny_tokenizer
 
     tiny_model("llama").save_pretrained(tmp_path)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from casspec.tune import STEP_TOKENS, format_steps, format_tuning, step_times, tuned_kernels, tuning_key
+from casspec.calibrate.tune import STEP_TOKENS, format_steps, format_tuning, step_times, tuned_kernels, tuning_key
 from dsia.errors import CasspecError
 from dsia.kernels import BUCKETS, DenseKernels, bucket_of, candidates, choose
 from dsia.model import Transformer

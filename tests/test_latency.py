@@ -93,7 +93,7 @@ def test_only_a_profile_of_this_machine_model_and_dtype_is_used(tmp_path):
 
 
 def test_profiler_quick_path_end_to_end(tiny_engine_factory, tmp_path):
-    from casspec.profile import ProfileConfig, profile, write_profile
+    from casspec.calibrate.profile import ProfileConfig, profile, write_profile
 
     engine = tiny_engine_factory(max_context=96)
     cfg = ProfileConfig(tokens=(1, 2, 4, 8), contexts=(16, 64), levels=("int8", "exit1"), repeats=1, warmup=1)
@@ -119,8 +119,8 @@ def test_profile_command_rejects_a_bad_out_before_loading(tmp_path, capsys):
 
 
 def test_random_weight_shapes_for_profiling():
-    from casspec.engine import Engine
-    from casspec.loading import EMBEDDED_NAME, load
+    from casspec.runtime.engine import Engine
+    from casspec.loading.checkpoints import EMBEDDED_NAME, load
 
     e = Engine(load("random:smollm2-135m"), max_context=64, autoprofile=False, keep_state=False)
     assert e.name == EMBEDDED_NAME  # a profile of the shape is picked up by the real model's engine

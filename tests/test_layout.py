@@ -2,9 +2,8 @@
 TYPE_CHECKING, parsed from the sources, nothing imported) goes down the layers, never up and never in a cycle; and no
 module or function outgrows what one person reads at once.
 
-Layers: dsia <- dytc <- casspec <- scripts; within casspec (CASSPEC_LAYERS): what everything shares (the user cache,
-questions, stats) <- reading checkpoints and keeping state <- measuring the machine (calibration) <- the runtime
-<- the tools and the server <- the command line."""
+Layers: dsia <- dytc <- casspec <- scripts; within casspec, its subpackages (CASSPEC_LAYERS): cache <- loading <-
+calibrate <- runtime <- tools, serve <- the command line."""
 from __future__ import annotations
 
 import ast
@@ -12,13 +11,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dsia", "dytc", "casspec", "scripts")  # in layer order
-CASSPEC_LAYERS = (
-    ("usercache", "questions", "engine_view", "detok", "stats"),  # shared
-    ("weights", "ggufcheck", "native", "ggufweights", "loading", "levelstore", "state"),  # checkpoints, kept state
-    ("tune", "autoprofile", "plane", "profile", "levels_report"),  # measuring the machine
-    ("method_table", "request", "methods", "target", "step", "engine"),  # the runtime
-    ("bench", "divergence", "lcpp", "ablate", "replay",  # tools
-     "calls", "scheduler", "guard", "metrics", "serve"),  # the server
+CASSPEC_LAYERS = (  # casspec's subpackages (and top-level modules) by layer, lowest first
+    ("cache",),  # the user cache's files, keys and locks; kept state
+    ("loading",),  # reading checkpoints (HF folders, GGUF), native kernels, the levels' stored copies
+    ("calibrate",),  # measuring the machine: kernels, latency profiles, the levels plane, agreement
+    ("runtime",),  # Engine, the decode step, the target, requests, methods, statistics
+    ("tools", "serve"),  # bench, ablations, the oracle replay's recording; the server
     ("cli_args", "cli", "__main__", ""),  # the command line (and the package's exports)
 )
 MAX_MODULE_LINES = 400
@@ -65,7 +63,8 @@ def graph() -> dict[str, set[str]]:
 def layer(mod: str) -> tuple[int, int]:
     """(package layer, layer within casspec) of a module."""
     pkg, _, rest = mod.partition(".")
-    inner = next((i for i, names in enumerate(CASSPEC_LAYERS) if rest in names), -1) if pkg == "casspec" else 0
+    part = rest.partition(".")[0]
+    inner = next((i for i, names in enumerate(CASSPEC_LAYERS) if part in names), -1) if pkg == "casspec" else 0
     return PACKAGES.index(pkg), inner
 
 
@@ -101,10 +100,10 @@ def test_the_layout_check_finds_an_upward_import_and_a_cycle(tmp_path):
     """The parser sees a function-level import and a TYPE_CHECKING one (what the checks above rest on)."""
     f = tmp_path / "m.py"
     f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import X\n"
-                 "def g():\n    from casspec.engine import Engine\n")
-    known = {"dsia.m": f, "dsia.b": f, "casspec.engine": f}
-    assert imports("dsia.m", f, known) == {"dsia.b", "casspec.engine"}
-    assert layer("casspec.engine") > layer("dsia.m")
+                 "def g():\n    from casspec.runtime.engine import Engine\n")
+    known = {"dsia.m": f, "dsia.b": f, "casspec.runtime.engine": f}
+    assert imports("dsia.m", f, known) == {"dsia.b", "casspec.runtime.engine"}
+    assert layer("casspec.runtime.engine") > layer("dsia.m")
 
 
 def test_sizes_one_person_reads_at_once():

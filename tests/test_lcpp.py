@@ -1,4 +1,4 @@
-"""bench's llama.cpp baselines (casspec/lcpp.py) against a stand-in `llama_cpp` module: llama-cpp-python is an
+"""bench's llama.cpp baselines (casspec/tools/lcpp.py) against a stand-in `llama_cpp` module: llama-cpp-python is an
 optional extra and never a test dependency. What is tested is casspec's side: the prompt ids, decoding settings,
 threads, stops, conversation reuse, the F32 file made once, and the errors."""
 import sys
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from casspec import lcpp
-from casspec.bench import parse_methods, run_bench
+from casspec.tools import lcpp
+from casspec.tools.bench import parse_methods, run_bench
 from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 from tiny import tiny_engine
@@ -128,7 +128,7 @@ def test_bench_runs_lcpp_beside_the_other_methods(fake, tmp_path):
     assert parse_methods("lcpp-ar,ar,lcpp-ar-f32") == ["hf-ar", "lcpp-ar", "ar", "lcpp-ar-f32"]
     with pytest.raises(CasspecError, match="unknown method"):
         parse_methods("lcpp-ar:int4")
-    from casspec.questions import Question
+    from casspec.calibrate.questions import Question
 
     e = tiny_engine()
     e.source = fake.gguf

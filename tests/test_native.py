@@ -1,4 +1,4 @@
-"""`--weights native` (casspec/native.py): a Q4_0 / Q4_1 / Q8_0 GGUF run in its stored quantization. The blocks
+"""`--weights native` (casspec/loading/native.py): a Q4_0 / Q4_1 / Q8_0 GGUF run in its stored quantization. The blocks
 decode as llama.cpp's (gguf-py's) dequantization, the kernels multiply what is stored, and every method is lossless
 relative to the native target: greedy tokens equal native `ar`'s."""
 import numpy as np
@@ -7,9 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from casspec.engine import Engine
-from casspec.native import _row_order, decode_blocks, dequantize, kernel, unpermute
-from casspec.request import Request
+from casspec.runtime.engine import Engine
+from casspec.loading.native import _row_order, decode_blocks, dequantize, kernel, unpermute
+from casspec.runtime.request import Request
 from dsia.blockq import BlockLinear
 from dsia.cxx import build_error
 from dsia.errors import CasspecError

@@ -1,15 +1,15 @@
-"""The levels plane (casspec/plane.py): the multi-level methods' default draft levels chosen from what was measured on
-the machine. The choice is tested on injected measurements (the Intel Xeon numbers of issue 13 and a machine where
-bfloat16 products are cheap); the measurement and its cache on a tiny model."""
+"""The levels plane (casspec/calibrate/plane.py): the multi-level methods' default draft levels chosen from what was
+measured on the machine. The choice is tested on injected measurements (the Intel Xeon numbers of issue 13 and a machine
+where bfloat16 products are cheap); the measurement and its cache on a tiny model."""
 import json
 
 import pytest
 
-from casspec import plane as plane_mod
-from casspec.methods import Drafters, make_policy
-from casspec.method_table import default_levels, default_sources
-from casspec.plane import Plane, PlaneConfig, chain_speedup, from_json, rank
-from casspec.request import Request
+from casspec.calibrate import plane as plane_mod
+from casspec.runtime.methods import Drafters, make_policy
+from casspec.runtime.method_table import default_levels, default_sources
+from casspec.calibrate.plane import Plane, PlaneConfig, chain_speedup, from_json, rank
+from casspec.runtime.request import Request
 from tiny import tiny_engine
 
 # `casspec levels` on a 2-core Intel Xeon (AMX-BF16/INT8, AVX512-FP16), 6 questions (issue 13): cost ratio, agreement
@@ -112,7 +112,7 @@ def small_plane(monkeypatch):
     """A quick plane (three candidates, short answers), counting its measurements."""
     cfg = PlaneConfig(candidates=("int8", "int4+vocab", "bf16"), max_new_tokens=12, repeats=2)
     monkeypatch.setattr(plane_mod, "PlaneConfig", lambda **kw: cfg)
-    from casspec import engine as engine_mod
+    from casspec.runtime import engine as engine_mod
     monkeypatch.setattr(engine_mod, "PlaneConfig", lambda **kw: cfg)  # (whatever candidates this CPU would measure)
     measured = []
     real = plane_mod.measure
@@ -126,9 +126,9 @@ def small_plane(monkeypatch):
 
 
 def test_first_use_measures_caches_and_chooses(cache, small_plane, monkeypatch):
-    from casspec import autoprofile as ap
+    from casspec.calibrate import autoprofile as ap
     monkeypatch.setattr(ap, "autoprofile", lambda engine, key, levels, progress=True: None)  # the plane alone here
-    from casspec import engine as engine_mod
+    from casspec.runtime import engine as engine_mod
     monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key, levels: None)
     e = tiny_engine(autoprofile=True)
     assert small_plane == [("int8", "int4+vocab", "bf16")]
@@ -168,7 +168,7 @@ def test_no_autoprofile_and_nothing_cached_keeps_the_fixed_defaults(cache, small
 
 
 def test_an_unreadable_plane_is_measured_again(cache, small_plane, monkeypatch):
-    from casspec import engine as engine_mod
+    from casspec.runtime import engine as engine_mod
     monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key, levels: None)
     e = tiny_engine(autoprofile=True)
     (path,) = (cache / "planes").glob("*.json")

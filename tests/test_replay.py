@@ -1,5 +1,6 @@
 """The oracle replay: offline policies and the per-step oracle on hand-made and random recordings (dytc/replay.py),
-the recording of live steps and teacher-forced ranks on a tiny engine (casspec/replay.py), the script's bad input."""
+the recording of live steps and teacher-forced ranks on a tiny engine (casspec/tools/replay.py), the script's bad
+input."""
 import itertools
 import subprocess
 import sys
@@ -82,8 +83,8 @@ def test_the_oracle_is_the_optimum_and_beats_every_static_policy(case):
 def test_recording_a_tiny_engine_gives_consistent_live_steps_and_ranks():
     import torch
 
-    from casspec.questions import Question
-    from casspec.replay import LIVE_METHODS, evaluate, levels_of, record_question
+    from casspec.calibrate.questions import Question
+    from casspec.tools.replay import LIVE_METHODS, evaluate, levels_of, record_question
     from tests.tiny import tiny_engine
 
     engine = tiny_engine()

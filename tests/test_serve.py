@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from casspec.cli import main
-from casspec.serve import ServeConfig, background
+from casspec.serve.app import ServeConfig, background
 from conftest import HAS_EMBEDDED
 from tiny import tiny_engine, tiny_model, tiny_tokenizer
 

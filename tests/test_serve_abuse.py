@@ -21,11 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from casspec.calls import CHAT_FIELDS, COMPLETION_FIELDS, MAX_JSON_DEPTH, Limits
-from casspec.engine import Engine
-from casspec.loading import Loaded
-from casspec.scheduler import Job
-from casspec.serve import JobStream, ServeConfig, background
+from casspec.serve.calls import CHAT_FIELDS, COMPLETION_FIELDS, MAX_JSON_DEPTH, Limits
+from casspec.runtime.engine import Engine
+from casspec.loading.checkpoints import Loaded
+from casspec.serve.scheduler import Job
+from casspec.serve.app import JobStream, ServeConfig, background
 from tiny import tiny_model, tiny_tokenizer
 
 LIMITS = Limits(max_body_bytes=64 << 10, max_prompt_tokens=1000, default_max_tokens=8, max_tokens_limit=3500,
@@ -397,8 +397,8 @@ def test_an_internal_error_is_a_generic_500_and_one_log_line(url, monkeypatch, c
     def broken(*args, **kwargs):
         raise RuntimeError("secret detail /home/someone/model\nline two")
 
-    monkeypatch.setattr("casspec.serve.parse_call", broken)
-    with caplog.at_level(logging.INFO, logger="casspec.serve"):
+    monkeypatch.setattr("casspec.serve.app.parse_call", broken)
+    with caplog.at_level(logging.INFO, logger="casspec.serve.app"):
         r, _ = post(url, {"prompt": "w5"})
     monkeypatch.undo()
     err = refused(r, 500, "internal_error", None, "the server's log has the details")

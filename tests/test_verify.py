@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from casspec.engine import Request
+from casspec.runtime.engine import Request
 from dytc.router import RouterConfig
 from dsia.cxx import build_error
 from dytc import sampling

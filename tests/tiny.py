@@ -68,8 +68,8 @@ def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = No
     """An Engine over a tiny random model (no files). Prompts are strings of words 'w5 w17 ...'. graphs=True on the
     CPU runs the CUDA graphs' static-shape forwards eagerly. No profile is measured and no state is kept unless asked
     (tests that ask point CASSPEC_CACHE at a temporary folder)."""
-    from casspec.engine import Engine
-    from casspec.loading import Loaded
+    from casspec.runtime.engine import Engine
+    from casspec.loading.checkpoints import Loaded
 
     model = tiny_model(arch, seed, **kw)
     return Engine(Loaded(model, tiny_tokenizer(model.config.vocab_size), f"tiny-{arch}"), max_context=max_context,

@@ -1,6 +1,6 @@
 """What measuring a machine reads of a running engine (the latency profile, the levels plane, a level's agreement and
-cost): a protocol `casspec.engine.Engine` satisfies, so that the modules that measure (autoprofile.py, profile.py,
-plane.py, levels_report.py) import no engine, and the engine can call them on itself."""
+cost): a protocol `casspec.runtime.engine.Engine` satisfies, so that the modules that measure (autoprofile.py,
+profile.py, plane.py, levels_report.py) import no engine, and the engine can call them on itself."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence

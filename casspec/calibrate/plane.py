@@ -35,7 +35,7 @@ from dytc.cascade import CascadeConfig
 from dytc.sources import LOOKUPS
 
 from .engine_view import EngineView
-from .usercache import entry_path, locked, read_json, write_json
+from ..cache.usercache import entry_path, locked, read_json, write_json
 
 
 COST_MARGIN = 0.1  # a level must cost this fraction less than a more accurate one to be routed beside it: a smaller

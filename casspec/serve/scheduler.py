@@ -18,10 +18,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from .calls import ApiError, Call
-from .engine import Engine
+from ..runtime.engine import Engine
 from .metrics import Metrics
 
-log = logging.getLogger("casspec.serve")
+log = logging.getLogger("casspec.serve.app")
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # engine -> OpenAI
 

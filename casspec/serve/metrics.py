@@ -11,7 +11,7 @@ import threading
 from bisect import bisect_left
 from collections import Counter
 
-from .stats import Stats
+from ..runtime.stats import Stats
 
 PREFIX = "casspec:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -6,8 +6,8 @@ from typing import Collection
 
 import torch
 
-from .engine import Engine
-from .questions import Answer, Question
+from ..runtime.engine import Engine
+from ..calibrate.questions import Answer, Question
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

@@ -27,13 +27,13 @@ from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 from dytc.sources import BOTTOMS
 
-from .engine import Engine
+from ..runtime.engine import Engine
 from .lcpp import LCPP_METHODS, lcpp_runner
-from .method_table import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
+from ..runtime.method_table import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
 from .divergence import divergences, first_difference
-from .questions import Answer, Question, TurnFn
-from .request import Request
-from .stats import policy_ms_per_step
+from ..calibrate.questions import Answer, Question, TurnFn
+from ..runtime.request import Request
+from ..runtime.stats import policy_ms_per_step
 
 BASELINE = "hf-ar"
 # dytc ablations: `dytc~const` with the latency predictor replaced by constant costs (verification 1 step whatever

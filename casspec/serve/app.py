@@ -45,14 +45,14 @@ from dsia.errors import CasspecError
 from dytc.sources import DEFAULT_BOTTOM
 
 from .calls import ApiError, Call, Limits, check_positive, parse_call, read_json
-from .engine import Engine
+from ..runtime.engine import Engine
 from .guard import ANY_HOST, LOCAL_HOSTS, Guard, HeadTimeoutProtocol, check_json, hostname, read_body
 from .metrics import CONTENT_TYPE, Metrics
-from .request import Request
+from ..runtime.request import Request
 from .scheduler import Job, Scheduler
-from .stats import Stats
+from ..runtime.stats import Stats
 
-log = logging.getLogger("casspec.serve")
+log = logging.getLogger("casspec.serve.app")
 
 
 @dataclass(frozen=True)

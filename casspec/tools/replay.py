@@ -32,10 +32,10 @@ from dytc.tree import DraftTree, is_chain
 
 from .bench import method_request
 
-from .questions import Question
-from .engine import Engine
-from .levels_report import teacher_forced
-from .method_table import MULTI_LEVEL
+from ..calibrate.questions import Question
+from ..runtime.engine import Engine
+from ..calibrate.levels_report import teacher_forced
+from ..runtime.method_table import MULTI_LEVEL
 
 LIVE_METHODS = ("ar", "sd", "tree", "vc", "hc", "vc+hc", "dytc")  # run for real on every prompt; ar gives y
 STATIC_LIVE = ("sd", "tree", "vc", "hc", "vc+hc")  # the fixed methods dytc is held against (issue 31)

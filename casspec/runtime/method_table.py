@@ -14,7 +14,7 @@ from dytc.router import RouterConfig
 from dytc.sources import BOTTOMS, LOOKUPS, PLD
 
 if TYPE_CHECKING:
-    from .plane import Plane
+    from ..calibrate.plane import Plane
 
 
 @dataclass(frozen=True)

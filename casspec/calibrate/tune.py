@@ -23,8 +23,8 @@ from dsia.kvcache import KVCache
 from dsia.model import Transformer
 from dytc.machine import machine_info
 
-from .usercache import cache_root
-from .usercache import read_json, write_json
+from ..cache.usercache import cache_root
+from ..cache.usercache import read_json, write_json
 
 KERNELS_FILE = "kernels.json"  # in the user cache: key -> {"names", "timings_ms", "created"}
 

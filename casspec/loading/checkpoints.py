@@ -31,7 +31,7 @@ from dsia.model import Transformer  # noqa: E402
 from dsia.spec import ModelSpec, check_config_fields  # noqa: E402
 
 from .ggufcheck import GGUFFile  # noqa: E402
-from .usercache import (UNWRITABLE, ChecksumError, cache_root, digest, entry_problem,  # noqa: E402
+from ..cache.usercache import (UNWRITABLE, ChecksumError, cache_root, digest, entry_problem,  # noqa: E402
                         file_record, locked, new_build_folder, owned, read_manifest, remove, remove_stale_builds,
                         swap_in)
 from .weights import (LAYER, generation_eos, missing_tensors, read_config, read_runtime,  # noqa: E402
@@ -44,7 +44,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CACHE_MANIFEST = "casspec-cache.json"
 CACHE_VERSION = 3  # in the entry's name. 3: every file checked against its sha256 on every load, none unlisted
 # (2: a file's sha256 checked only when its mtime changed; 1: sizes only)
-LEVELS = "levels"  # the entry's subfolder of level weights (casspec/levelstore.py), beside the listed files
+LEVELS = "levels"  # the entry's subfolder of level weights (casspec/loading/levelstore.py), beside the listed files
 
 
 @dataclass
@@ -120,7 +120,7 @@ def _one_line(e: BaseException) -> str:
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, name: str, store_dir: Path | None,
                  hf: bool = True, checksums: dict[str, str] | None = None) -> Loaded:
     """The checkpoint folder's weights and tokenizer; with hf=False the runtime's tensors are read directly
-    (casspec/weights.py) and the HF model is loaded only where that reader does not cover the checkpoint.
+    (casspec/loading/weights.py) and the HF model is loaded only where that reader does not cover the checkpoint.
     checksums (a cache entry): its safetensors files and their sha256, checked from the bytes the runtime loads, or
     before transformers reads them (ChecksumError where one differs)."""
     check_config_fields(read_config(path), str(path / "config.json"))

@@ -21,11 +21,11 @@ import torch
 from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 
-from .loading import file_sha256
+from ..loading.checkpoints import file_sha256
 
-from .usercache import cache_root
-from .questions import TurnFn
-from .usercache import locked
+from ..cache.usercache import cache_root
+from ..calibrate.questions import TurnFn
+from ..cache.usercache import locked
 
 LCPP_METHODS = ("lcpp-ar", "lcpp-ar-f32")  # the stored file / its F32 dequantization
 INSTALL = ('pip install llama-cpp-python (it builds llama.cpp from source; on AVX512 CPUs set CMAKE_ARGS as in the '

@@ -19,7 +19,7 @@ from .method_table import MULTI_LEVEL, SINGLE_LEVEL, default_sources, parse_sour
 from .request import Request
 
 if TYPE_CHECKING:
-    from .plane import Plane
+    from ..calibrate.plane import Plane
 
 
 

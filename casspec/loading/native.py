@@ -11,8 +11,8 @@ method verifies against it, and every level is a plan over it (what a level does
 The dense float32 weights the loader dequantized from the same file stay loaded: the blocks are matched to them
 row for row (which also undoes llama.cpp's reordering of the q/k rows for RoPE), and levels that build from
 weights (a quantized copy, a sparse gather) read them. The blocks are read by casspec's bounded reader
-(casspec/ggufcheck.py: each tensor's bytes checked to lie inside the file), not by gguf's reader, whose parse of the
-whole header (the tokenizer's arrays) cost about 3 s a start.
+(casspec/loading/ggufcheck.py: each tensor's bytes checked to lie inside the file), not by gguf's reader, whose parse
+of the whole header (the tokenizer's arrays) cost about 3 s a start.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from dsia.errors import CasspecError
 
-from .usercache import open_regular
+from ..cache.usercache import open_regular
 
 GGML_MAX_DIMS = 4  # llama.cpp's (ggml.h): a tensor has 1 to 4 dimensions
 GGML_MAX_NAME = 64  # llama.cpp's (ggml.h): a tensor name is shorter

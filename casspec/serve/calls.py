@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 
-from .usercache import json_depth
+from ..cache.usercache import json_depth
 
 if TYPE_CHECKING:  # (annotations only: the CLI reads Limits without the engine or the serve extra)
     from starlette.responses import Response
 
-    from .engine import Engine
-    from .request import Request
+    from ..runtime.engine import Engine
+    from ..runtime.request import Request
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default for a call that names none (0 = greedy)
 ROLES = ("system", "user", "assistant")  # chat roles handed to the chat template (no tool messages)

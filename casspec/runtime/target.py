@@ -16,9 +16,9 @@ from dsia.model import Transformer
 from dsia.pointwise import compiled_pointwise
 from dsia.spec import DEFAULT_CONTEXT
 
-from .loading import Loaded
-from .native import WEIGHTS, block_kernel, native_plan
-from .tune import kernels_for
+from ..loading.checkpoints import Loaded
+from ..loading.native import WEIGHTS, block_kernel, native_plan
+from ..calibrate.tune import kernels_for
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class EngineOptions:
     batch_invariant: bool = False  # each row of a target forward computed alike whatever the rows around it
     # (dsia/invariant.py: every method's greedy tokens are ar's in bfloat16 too; bfloat16 on a CPU, eager)
     weights: str = "float"  # "float": the checkpoint in the model's dtype (a quantized GGUF dequantized);
-    # "native": a Q4_0 / Q4_1 / Q8_0 GGUF in its stored quantization (casspec/native.py; CPU; batch-invariant)
+    # "native": a Q4_0 / Q4_1 / Q8_0 GGUF in its stored quantization (casspec/loading/native.py; CPU; batch-invariant)
     fast_layers: bool | None = None  # a forward's decoder layers as one C++ call, a float32 forward's small steps
     # by casspec's ops (dsia/fastloop.py; None: on a CPU, where it builds, once per machine)
 

@@ -23,7 +23,7 @@ from safetensors.torch import save
 
 from dsia.strategy import Codec
 
-from .usercache import digest, locked, parse_json, read_verified, write_verified
+from ..cache.usercache import digest, locked, parse_json, read_verified, write_verified
 from .weights import parse_safetensors
 
 T = TypeVar("T")

@@ -28,20 +28,20 @@ from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams
 from dytc.verify import Noise
 
-from .autoprofile import autoprofile as run_autoprofile
-from .autoprofile import cached_profile
+from ..calibrate.autoprofile import autoprofile as run_autoprofile
+from ..calibrate.autoprofile import cached_profile
 from .detok import TextStream
-from .levelstore import LevelStore
-from .loading import Loaded, load
+from ..loading.levelstore import LevelStore
+from ..loading.checkpoints import Loaded, load
 from .method_table import default_levels
 from .methods import Drafters, make_policy
-from .plane import MIN_CONTEXT, Plane, PlaneConfig, cpu_candidates, levels_plane, plane_key
+from ..calibrate.plane import MIN_CONTEXT, Plane, PlaneConfig, cpu_candidates, levels_plane, plane_key
 from .request import Prompt, Request
-from .state import StateFile
+from ..cache.state import StateFile
 from .stats import Result, Stats
 from .step import pick, prefill, seed_of, steps
 from .target import EngineOptions, build_target
-from .usercache import profile_key, read_json
+from ..cache.usercache import profile_key, read_json
 
 
 def _options(options: EngineOptions | None, overrides: dict[str, object]) -> EngineOptions:

@@ -30,7 +30,7 @@ from dsia.layer import LayerWeights
 from dsia.model import Transformer
 from dsia.spec import ModelSpec
 
-from .usercache import ChecksumError, open_regular, parse_json, read_hashed, read_json_file
+from ..cache.usercache import ChecksumError, open_regular, parse_json, read_hashed, read_json_file
 
 PROJECTIONS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
                "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}

@@ -36,10 +36,10 @@ from dytc.sources import BOTTOMS, DEFAULT_BOTTOM, LOOKUPS
 
 from .bench import (BASELINE, SAMPLING_SEED, machine_line, make_runner, method_request, run_question, summarize,
                     writable_folder)
-from .engine import Engine
-from .method_table import MULTI_LEVEL, SINGLE_LEVEL
-from .questions import Answer, Question
-from .levels_report import measure_levels
+from ..runtime.engine import Engine
+from ..runtime.method_table import MULTI_LEVEL, SINGLE_LEVEL
+from ..calibrate.questions import Answer, Question
+from ..calibrate.levels_report import measure_levels
 
 README_BEGIN = "<!-- ablate:begin -->"  # the results page's section of greedy runs (docs/results.md)
 README_END = "<!-- ablate:end -->"

@@ -18,7 +18,7 @@ from pathlib import Path
 from dytc.latency import PROFILE_VERSION, read_predictor
 
 from .engine_view import EngineView
-from .usercache import entry_path, locked, read_json, write_json
+from ..cache.usercache import entry_path, locked, read_json, write_json
 
 
 

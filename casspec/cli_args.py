@@ -10,6 +10,7 @@ from dsia.spec import DEFAULT_CONTEXT
 from dytc.sources import DEFAULT_BOTTOM
 
 from .loading.native import WEIGHTS
+from .runtime.defaults import BENCH_MAX_NEW_TOKENS, LEVEL, MAX_NEW_TOKENS, METHOD
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,8 +72,8 @@ def _method_args(p: argparse.ArgumentParser) -> None:
 
     from .runtime.method_table import METHODS
 
-    p.add_argument("--method", default="dytc", help=f"decoding method: {', '.join(METHODS)} (default dytc)")
-    p.add_argument("--level", default="int4", help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
+    p.add_argument("--method", default=METHOD, help=f"decoding method: {', '.join(METHODS)} (default {METHOD})")
+    p.add_argument("--level", default=LEVEL, help="draft level of sd / tree (e.g. int4, int8+skip0.2)")
     p.add_argument("--levels", default=None, help="comma-separated sources of vc / dytc (e.g. int4,int8) or hc "
                    "segments (e.g. int4*4,int4+vocab*3,pld*3); default: the method's own")
     p.add_argument("--bottom", default=DEFAULT_BOTTOM, choices=list(BOTTOMS), help="statistical lookups beneath "
@@ -84,7 +85,7 @@ def _generate_args(sub) -> None:
     g.add_argument("prompt")
     _common(g)
     _method_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -140,8 +141,8 @@ def _bench_args(sub) -> None:
     _questions(b)
     b.add_argument("--methods", default="hf-ar,hf-pld,ar", help="comma-separated methods (baselines: hf-ar, hf-pld, "
                    "hf-ar-compiled, and with llama-cpp-python lcpp-ar, lcpp-ar-f32)")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--level", default="int4", help="draft level of sd / tree (or per method: sd:int8)")
+    b.add_argument("--max-new-tokens", type=int, default=BENCH_MAX_NEW_TOKENS)
+    b.add_argument("--level", default=LEVEL, help="draft level of sd / tree (or per method: sd:int8)")
     b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")
     _run_sampling(b)
     b.add_argument("--out", default="bench-out", help="output folder")
@@ -153,7 +154,8 @@ def _levels_args(sub) -> None:
     lv = sub.add_parser("levels", help="cost, agreement and memory of draft levels")
     _questions(lv, "Spec-Bench-format JSONL file (first turns are used)")
     lv.add_argument("--levels", default=None, help="comma-separated level names (default: a standard set)")
-    lv.add_argument("--max-new-tokens", type=int, default=128, help="continuation length scored per prompt")
+    lv.add_argument("--max-new-tokens", type=int, default=BENCH_MAX_NEW_TOKENS,
+                    help="continuation length scored per prompt")
     lv.add_argument("--json", action="store_true", help="print the JSON report")
     _common(lv)
 
@@ -173,7 +175,7 @@ def _profile_args(sub) -> None:
 def _ablate_args(sub) -> None:
     ab = sub.add_parser("ablate", help="ablations of levels and cascade algorithms: table, JSON and plots")
     _questions(ab)
-    ab.add_argument("--max-new-tokens", type=int, default=128)
+    ab.add_argument("--max-new-tokens", type=int, default=BENCH_MAX_NEW_TOKENS)
     ab.add_argument("--rows", default=None, help="comma-separated bench method specs (default: the full ablation)")
     ab.add_argument("--out", default="results", help="results folder (finished rows there are skipped)")
     ab.add_argument("--readme", default=None, help="also write the table and plots into this page's 'ablate' "

@@ -41,7 +41,6 @@ from .tree import DraftTree
 class CascadeConfig:
     vc_tokens: int = 8  # vc: tokens the top source drafts per step
     proposal_tokens: int = 4  # most tokens a lower source proposes to the one above per review
-    hc_segments: tuple[tuple[str, int], ...] = (("int4", 4), ("int4+vocab", 3), (PLD, 3))  # hc k-matrix row
     tree_top_k: int = 3  # tree+vc: the top level's most probable tokens after each chain token (chain's included)
     tree_nodes: int = 16  # tree+vc: most nodes verified (root included)
 

@@ -17,7 +17,7 @@ from .tree import DraftTree
 
 @dataclass(frozen=True)
 class RouterConfig:
-    levels: tuple[str, ...] = ("int4", "int4+vocab")  # neural draft levels the router may use
+    levels: tuple[str, ...] = ()  # names of the neural draft levels the router is given (its caller names them)
     lookups: tuple[str, ...] = (PLD,)  # statistical sources at the bottom (sources.BOTTOMS); () = none
     max_nodes: int = 48  # most tree nodes verified, root included (32 was 5% slower greedy on the AMD EPYC: int4
     # agreed 0.98 there, so its chains want to be long, and a lookup's copy rides after them)

@@ -129,8 +129,8 @@ def test_token_ids_outside_the_vocabulary_are_one_error_and_the_engine_goes_on()
     engine = tiny_engine("llama")
     for ids in ([5, 97], [-1, 3], [5, 2**70], [5, 3.0], [True, 4]):
         with pytest.raises(CasspecError, match=r"token id .*\[0, 97\)"):
-            engine.generate_ids(ids, Request(max_new_tokens=2))
-    assert len(engine.generate_ids([5, 17, 9], Request(max_new_tokens=3)).token_ids) == 3
+            engine.generate_ids(ids, Request(method="ar", max_new_tokens=2))
+    assert len(engine.generate_ids([5, 17, 9], Request(method="ar", max_new_tokens=3)).token_ids) == 3
 
 
 @pytest.mark.parametrize("hf", [False, True], ids=["runtime-reader", "transformers"])

@@ -134,7 +134,7 @@ def test_every_method_gives_ar_tokens_in_bfloat16(method):
     fixed = {"router": RouterConfig(constant_cost=0.3)} if method == "dytc" else {}
     for seed in SEEDS:
         e = engine(seed)
-        ar = e.generate_ids(PROMPT, Request(max_new_tokens=60))
+        ar = e.generate_ids(PROMPT, Request(method="ar", max_new_tokens=60))
         spec = e.generate_ids(PROMPT, Request(max_new_tokens=60, method=method, **fixed))
         assert spec.token_ids == ar.token_ids, seed
 
@@ -144,7 +144,7 @@ def test_some_method_leaves_ar_without_the_mode():
     left = 0
     for seed in SEEDS:
         e = engine(seed, invariant=False)
-        ar = e.generate_ids(PROMPT, Request(max_new_tokens=60)).token_ids
+        ar = e.generate_ids(PROMPT, Request(method="ar", max_new_tokens=60)).token_ids
         left += sum(e.generate_ids(PROMPT, Request(max_new_tokens=60, method=m)).token_ids != ar
                     for m in ("sd", "vc", "hc"))
     if left == 0:

@@ -32,7 +32,7 @@ def test_greedy_methods_equal_ar_on_cuda(method, level):
     hf = tiny_model("llama", seed=0).cuda()
     e = Engine(Loaded(hf, tiny_tokenizer(), "tiny-cuda"), autoprofile=False, keep_state=False)
     prompt = [5, 6, 7, 8, 5, 6, 7]
-    ar = e.generate_ids(prompt, Request(max_new_tokens=30))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=30))
     x = torch.tensor([prompt], device="cuda")
     ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, do_sample=False,
                       eos_token_id=sorted(e.eos_ids), pad_token_id=0)[0, len(prompt):].tolist()
@@ -51,7 +51,7 @@ def test_cuda_graphs_replay_the_eager_tokens():
     graphed = Engine(Loaded(hf, tiny_tokenizer(), "tiny-cuda"))
     assert graphed.graphs is not None and eager.graphs is None
     prompt = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7]
-    ar = eager.generate_ids(prompt, Request(max_new_tokens=40))
+    ar = eager.generate_ids(prompt, Request(method="ar", max_new_tokens=40))
     for req in (Request(max_new_tokens=40), Request(max_new_tokens=40, method="sd", level="skip0.3"),
                 Request(max_new_tokens=40, method="tree", level="exit2"), Request(max_new_tokens=40, method="dytc"),
                 Request(max_new_tokens=40, method="vc")):

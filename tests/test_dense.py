@@ -125,7 +125,8 @@ def test_the_engine_with_it_decodes_the_targets_tokens():
     from casspec.runtime.request import Request
     from tiny import tiny_engine
 
-    ref = tiny_engine("llama", kernels="blas").generate_ids([5, 17, 9], Request(max_new_tokens=12)).token_ids
+    ref = tiny_engine("llama", kernels="blas").generate_ids([5, 17, 9],
+                                                            Request(method="ar", max_new_tokens=12)).token_ids
     for method in ("ar", "sd", "dytc"):
         engine = tiny_engine("llama", kernels="casspec")
         assert engine.generate_ids([5, 17, 9], Request(max_new_tokens=12, method=method)).token_ids == ref

@@ -29,7 +29,7 @@ def stream(e: Engine, tokenizer, blocks: list[list[int]], stop: tuple[str, ...] 
     """The pieces the engine streams when its steps commit `blocks`, and its Result."""
     e.tokenizer = tokenizer
     e._decode = lambda prompt_ids, req, stats, policy: iter(blocks)
-    pieces = list(e.stream_ids([5], Request(max_new_tokens=sum(map(len, blocks)) + 1, stop=stop)))
+    pieces = list(e.stream_ids([5], Request(method="ar", max_new_tokens=sum(map(len, blocks)) + 1, stop=stop)))
     return pieces, e.last_result
 
 

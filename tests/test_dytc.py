@@ -43,7 +43,7 @@ def test_greedy_cascades_and_dytc_equal_ar(arch, seed, method, which, bottom, pr
     e = engine(arch, seed, kernels, fused)  # (fused: the target's q|k|v and gate|up as one product each)
     prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that the lookups find matches
     levels = HC_SETS[which % len(HC_SETS)] if method in ("hc", "vc+hc") else LEVEL_SETS[which]
-    ar = e.generate_ids(prompt, Request(max_new_tokens=n))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=n))
     spec = e.generate_ids(prompt, Request(max_new_tokens=n, method=method, levels=levels, bottom=bottom))
     assert spec.token_ids == ar.token_ids
     assert spec.stats.new_tokens <= n
@@ -52,7 +52,7 @@ def test_greedy_cascades_and_dytc_equal_ar(arch, seed, method, which, bottom, pr
 def test_dytc_near_the_context_end_and_with_eos():
     e = tiny_engine("llama", 1, max_context=40)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    ar = e.generate_ids(prompt, Request(max_new_tokens=100))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=100))
     for method in ("dytc", "vc", "hc", "tree+vc"):
         spec = e.generate_ids(prompt, Request(max_new_tokens=100, method=method))
         assert spec.token_ids == ar.token_ids, method
@@ -158,7 +158,7 @@ def test_a_level_a_wrong_estimate_keeps_out_is_tried_within_a_generation(after, 
     cfg = RouterConfig(levels=("int8", "int4"), lookups=(), explore_level_after=after)
     router = DyTC([e.levels.get("int8"), e.levels.get("int4")], tracker, cfg)
     prompt = [5, 6, 7, 8, 9, 10]
-    ar = e.generate_ids(prompt, Request(max_new_tokens=24)).token_ids
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=24)).token_ids
     e.cache.rollback(0)
     e.extend_prefix(prompt)
     ctx = DraftContext(e.model, e.cache, prompt + [11], SamplingParams(), None, e.eos_ids, budget=50,
@@ -258,7 +258,7 @@ def test_sd_and_tree_stop_when_another_forward_cannot_pay(method):
         depths[name] = max(len(tree.path_to(n)) - 1 for n in range(len(tree)))
         assert ctx.draft_forwards == (1 if name == "slow" else depths[name])
     assert depths["slow"] == 1 and depths["cheap"] > 1
-    ar = e.generate_ids(prompt, Request(max_new_tokens=20))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=20))
     assert e.generate_ids(prompt, Request(max_new_tokens=20, method=method, level="int4")).token_ids == ar.token_ids
 
 
@@ -365,7 +365,7 @@ def test_seeded_sampling_of_deterministic_drafts_equals_ar(arch, seed, method, b
     tree, under every warp."""
     e = engine(arch, 0)
     prompt = prompt + prompt
-    ar = e.generate_ids(prompt, Request(max_new_tokens=n, sampling=sp, seed=seed))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=n, sampling=sp, seed=seed))
     spec = e.generate_ids(prompt, Request(max_new_tokens=n, sampling=sp, seed=seed, method=method, level="int8",
                                           bottom=bottom if method in ("vc", "dytc", "tree+vc") else "pld"))
     assert spec.token_ids == ar.token_ids
@@ -381,7 +381,8 @@ def test_drafts_coupled_to_other_noise_stay_lossless_only_slower(monkeypatch):
     def run(seed: int) -> tuple[list[int], int]:
         r = e.generate_ids(prompt, Request(max_new_tokens=40, sampling=sp, seed=seed, method="vc", levels=("int8",),
                                            bottom="pld"))
-        assert r.token_ids == e.generate_ids(prompt, Request(max_new_tokens=40, sampling=sp, seed=seed)).token_ids
+        ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=40, sampling=sp, seed=seed))
+        assert r.token_ids == ar.token_ids
         return r.token_ids, sum(r.stats.accepted_by_depth)
 
     coupled = sum(run(s)[1] for s in range(8))
@@ -406,7 +407,7 @@ def test_maxgram_drafts_at_the_bottom_of_vc_and_dytc():
     with (dytc); with both, each lookup is its own source; all equal ar."""
     e = tiny_engine("llama", 2)
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
-    ar = e.generate_ids(prompt, Request(max_new_tokens=40))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=40))
     for bottom in ("maxgram", "both"):
         for method in ("vc", "tree+vc", "vc+hc", "dytc"):
             r = e.generate_ids(prompt, Request(max_new_tokens=40, method=method, levels=(), bottom=bottom))
@@ -497,7 +498,7 @@ def test_after_a_root_proposal_held_the_lookups_tokens_are_held_and_run_further(
 def test_dytc_reports_its_free_tests_of_the_lookups():
     e = tiny_engine("llama", 2)
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
-    ar = e.generate_ids(prompt, Request(max_new_tokens=40))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=40))
     r = e.generate_ids(prompt, Request(max_new_tokens=40, method="dytc", bottom="maxgram"))
     assert r.token_ids == ar.token_ids
     assert r.stats.policy["free_tests"] > 0
@@ -506,7 +507,7 @@ def test_dytc_reports_its_free_tests_of_the_lookups():
 def test_a_maxgram_segment_drafts_in_hc():
     e = tiny_engine("llama", 2)
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
-    ar = e.generate_ids(prompt, Request(max_new_tokens=30))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=30))
     hc = e.generate_ids(prompt, Request(max_new_tokens=30, method="hc", levels=("maxgram*4",)))
     assert hc.token_ids == ar.token_ids
     assert hc.stats.draft_forwards == 0 and hc.stats.tree_nodes > 0  # a lookup alone: drafts without a forward

@@ -29,7 +29,7 @@ PROMPTS = [
 def test_ar_greedy_byte_identical_to_hf_generate(embedded_engine, prompt):
     e = embedded_engine
     ids = e.encode(prompt)
-    ours = e.generate_ids(ids, Request(max_new_tokens=48))
+    ours = e.generate_ids(ids, Request(method="ar", max_new_tokens=48))
     x = torch.tensor([ids])
     with torch.inference_mode():
         hf = e.hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,

@@ -32,7 +32,7 @@ def hf_greedy(e, ids: list[int], n: int) -> list[int]:
        kernels=st.sampled_from(KERNELS), fused=st.booleans())
 def test_ar_greedy_equals_hf_generate(arch, seed, prompt, kernels, fused):
     e = engine(arch, seed, kernels=kernels, fused=fused)
-    res = e.generate_ids(prompt, Request(max_new_tokens=24))
+    res = e.generate_ids(prompt, Request(method="ar", max_new_tokens=24))
     assert res.token_ids == hf_greedy(e, prompt, 24)
     assert res.stats.mean_accepted_tokens == 1.0
     assert res.stats.new_tokens == len(res.token_ids) <= 24
@@ -147,7 +147,7 @@ def test_stats_split_draft_time_into_level_forwards_and_policy_overhead():
     assert st.policy_ms_per_step == pytest.approx(
         (st.draft_seconds - st.draft_forward_seconds) * 1e3 / (st.target_forwards - 1))
     assert "ms/step" in st.summary() and st.as_dict()["policy_ms_per_step"] == st.policy_ms_per_step
-    ar = e.generate_ids([5, 6, 7], Request(max_new_tokens=5))
+    ar = e.generate_ids([5, 6, 7], Request(method="ar", max_new_tokens=5))
     assert ar.stats.draft_forward_seconds == 0.0 and ar.stats.draft_forwards == 0
 
 

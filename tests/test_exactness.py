@@ -40,7 +40,7 @@ def test_every_strategy_drafts_losslessly(method, level):
     if level == "w8a8" and not w8a8_available():
         pytest.skip("needs torch's fbgemm kernels")
     e = engine()
-    ar = e.generate_ids(PROMPT, Request(max_new_tokens=40))
+    ar = e.generate_ids(PROMPT, Request(method="ar", max_new_tokens=40))
     spec = e.generate_ids(PROMPT, Request(max_new_tokens=40, method=method, level=level))
     assert spec.token_ids == ar.token_ids
     assert spec.stats.draft_forwards > 0  # the level really drafted
@@ -49,7 +49,7 @@ def test_every_strategy_drafts_losslessly(method, level):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_at_the_context_end(method):
     e = engine(max_context=48)
-    ar = e.generate_ids(PROMPT, Request(max_new_tokens=200))
+    ar = e.generate_ids(PROMPT, Request(method="ar", max_new_tokens=200))
     spec = e.generate_ids(PROMPT, request(method, 200))
     assert ar.stats.finish_reason == "context"
     assert spec.token_ids == ar.token_ids and spec.stats.finish_reason == "context"
@@ -88,7 +88,7 @@ def test_eos_inside_an_accepted_block_ends_where_ar_ends(method, monkeypatch):
         free, ends = blocks_of(e, PROMPT, request(method, 40), monkeypatch)
         for k in [k for k in range(1, len(free)) if inside_block(ends, k) and free[k] not in free[:k]][:8]:
             e.eos_ids = frozenset({free[k]})
-            ar = e.generate_ids(PROMPT, Request(max_new_tokens=40))
+            ar = e.generate_ids(PROMPT, Request(method="ar", max_new_tokens=40))
             tokens, ends_eos = blocks_of(e, PROMPT, request(method, 40), monkeypatch)
             assert ar.token_ids == free[:k + 1] and tokens == ar.token_ids
             inside += ends_eos[-1] > k + 1  # the last step's block went past the EOS (its tail was dropped)
@@ -107,7 +107,7 @@ def test_stop_string_inside_an_accepted_block_ends_where_ar_ends(method, monkeyp
     assert candidates, "no multi-token block to put a stop string in"
     k = candidates[0]
     stop = text(free[k - 1:k + 1])  # first completed by token k, inside a block
-    ar = e.generate_ids(PROMPT, Request(max_new_tokens=40, stop=(stop,)))
+    ar = e.generate_ids(PROMPT, Request(method="ar", max_new_tokens=40, stop=(stop,)))
     res = e.generate_ids(PROMPT, request(method, 40, stop=(stop,)))
     assert ar.stats.finish_reason == "stop" == res.stats.finish_reason
     assert ar.token_ids == free[:k + 1]

@@ -88,7 +88,7 @@ def test_graphs_capture_on_second_use_and_skip_long_or_stateful_forwards():
                                           ("hc", "-"), ("tree+vc", "-")])
 def test_methods_through_graph_forwards_equal_ar(method, level):
     graphed = engine(graphs=True)
-    ar = engine(graphs=False).generate_ids(PROMPT, Request(max_new_tokens=40))
+    ar = engine(graphs=False).generate_ids(PROMPT, Request(method="ar", max_new_tokens=40))
     req = Request(max_new_tokens=40, method=method) if level == "-" else \
         Request(max_new_tokens=40, method=method, level=level)
     res = graphed.generate_ids(PROMPT, req)
@@ -110,7 +110,7 @@ def test_the_latency_model_does_not_learn_from_forwards_that_captured_a_graph():
     e = tiny_engine("llama", seed=5, graphs=True)
     fits = e.latency.levels
     before = fits[TARGET_LEVEL].n if TARGET_LEVEL in fits else 0
-    res = e.generate_ids(PROMPT, Request(max_new_tokens=20))
+    res = e.generate_ids(PROMPT, Request(method="ar", max_new_tokens=20))
     verifies = res.stats.target_forwards - 1  # the prefill is not observed
     assert e.latency.known(TARGET_LEVEL)  # (absorbs the observations still pending)
     assert e.graphs.stats.captures >= 1

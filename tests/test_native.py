@@ -201,4 +201,4 @@ def test_only_the_weights_a_forward_multiplies_densely_keep_panels(tmp_path):
     nat = native.model
     assert nat.native is not None and nat.native.head is not None and not any(packed(nat))  # (the native kernels
     # run its layers and head: their dense copies, kept to build levels from, are not packed twice over)
-    assert native.generate_ids([5, 6, 7], Request(max_new_tokens=4)).token_ids  # (and it still generates)
+    assert native.generate_ids([5, 6, 7], Request(method="ar", max_new_tokens=4)).token_ids  # (and it still generates)

@@ -34,7 +34,7 @@ def engine(arch: str, seed: int, kernels: str = "blas"):
 def test_greedy_methods_equal_ar(arch, seed, method, level, prompt, n, kernels):
     e = engine(arch, seed, kernels)
     prompt = prompt + prompt[: len(prompt) // 2]  # some repetition, so that pld finds matches
-    ar = e.generate_ids(prompt, Request(max_new_tokens=n))
+    ar = e.generate_ids(prompt, Request(method="ar", max_new_tokens=n))
     spec = e.generate_ids(prompt, Request(max_new_tokens=n, method=method, level=level))
     assert spec.token_ids == ar.token_ids
     assert spec.stats.new_tokens <= n

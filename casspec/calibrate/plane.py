@@ -26,12 +26,11 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from dsia.kernels import time_ms
-from dytc.cascade import CascadeConfig
 from dytc.sources import LOOKUPS
 
 from .engine_view import EngineView
@@ -119,8 +118,9 @@ class Plane:
             return -1.0
         return 2.0 * (max(agreement * (1.0 - agreement), 1.0 / self.scored) / self.scored) ** 0.5
 
-    def sources(self, method: str) -> list[tuple[str, int]] | None:
-        """A multi-level method's default sources from this plane (None: not one this plane chooses for)."""
+    def sources(self, method: str, hc_segments: Sequence[tuple[str, int]]) -> list[tuple[str, int]] | None:
+        """A multi-level method's default sources from this plane (None: not one this plane chooses for); hc's take
+        the shape of `hc_segments` (its levels replaced by the plane's choice, in order; lookups kept)."""
         if not self.ranked:
             return None
         if method == "dytc":
@@ -129,7 +129,7 @@ class Plane:
             return [(self.ranked[0].name, 0)]
         if method in ("hc", "vc+hc"):
             names = iter(self.chosen)
-            segments = [(s, k) if s in LOOKUPS else (next(names, None), k) for s, k in CascadeConfig.hc_segments]
+            segments = [(s, k) if s in LOOKUPS else (next(names, None), k) for s, k in hc_segments]
             return [(s, k) for s, k in segments if s is not None]
         return None
 

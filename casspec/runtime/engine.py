@@ -30,6 +30,7 @@ from dytc.verify import Noise
 
 from ..calibrate.autoprofile import autoprofile as run_autoprofile
 from ..calibrate.autoprofile import cached_profile
+from .defaults import BOTTOM, LEVEL, MAX_NEW_TOKENS, METHOD
 from .detok import TextStream
 from ..loading.levelstore import LevelStore
 from ..loading.checkpoints import Loaded, load
@@ -199,10 +200,10 @@ class Engine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, stop: Sequence[str] | None = None, seed: int | None = None, method: str = "dytc",
-                 level: str = "int4", levels: Sequence[str] = (), bottom: str = Request.bottom, stream: bool = False,
-                 chat: bool | None = None) -> Result | Iterator[str]:
+    def generate(self, prompt: Prompt, max_new_tokens: int = MAX_NEW_TOKENS, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None, seed: int | None = None,
+                 method: str = METHOD, level: str = LEVEL, levels: Sequence[str] = (), bottom: str = BOTTOM,
+                 stream: bool = False, chat: bool | None = None) -> Result | Iterator[str]:
         """Generate from a prompt. Returns a Result, or with stream=True an iterator of text pieces (the pieces
         concatenate to the final text; the Result is then available as `engine.last_result`)."""
         req = Request(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),

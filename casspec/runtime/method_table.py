@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Sequence
 
 from dsia.errors import CasspecError
 from dsia.levels import LevelConfig
-from dytc.cascade import CascadeConfig
-from dytc.router import RouterConfig
 from dytc.sources import BOTTOMS, LOOKUPS, PLD
+
+from .defaults import GPU_LEVEL, HC_SEGMENTS, LEVEL, ROUTED_LEVELS
 
 if TYPE_CHECKING:
     from ..calibrate.plane import Plane
@@ -42,7 +42,6 @@ SINGLE_LEVEL = tuple(n for n, m in TABLE.items() if m.drafts == "level")  # meth
 MULTI_LEVEL = tuple(n for n, m in TABLE.items() if m.drafts == "levels")  # with Request.levels
 SEGMENTED = tuple(n for n, m in TABLE.items() if m.segmented)
 WITH_BOTTOM = tuple(n for n, m in TABLE.items() if m.bottom)
-GPU_LEVEL = "skip0.4"  # the default draft level on a GPU (see default_sources)
 
 
 def default_sources(method: str, device_type: str, plane: Plane | None = None) -> list[tuple[str, int]]:
@@ -50,15 +49,15 @@ def default_sources(method: str, device_type: str, plane: Plane | None = None) -
     one was measured on this machine (plane.py), else fixed ones. On the CPU the int4 kernels were the cheapest
     drafts where measured; on a GPU a small model's forward costs its kernel launches, whatever the weights'
     precision, so fewer layers (a skip level) is what makes a draft cheaper there (issue 18's measurement)."""
-    chosen = plane.sources(method) if plane is not None else None
+    chosen = plane.sources(method, HC_SEGMENTS) if plane is not None else None
     if chosen:
         return chosen
     cpu = device_type == "cpu"
     if method == "dytc":
-        return [(n, 0) for n in (RouterConfig.levels if cpu else (GPU_LEVEL,))]
+        return [(n, 0) for n in (ROUTED_LEVELS if cpu else (GPU_LEVEL,))]
     if method in ("vc", "tree+vc"):
-        return [("int4" if cpu else GPU_LEVEL, 0)]
-    return list(CascadeConfig.hc_segments) if cpu else [(GPU_LEVEL, 4), (PLD, 4)]
+        return [(LEVEL if cpu else GPU_LEVEL, 0)]
+    return list(HC_SEGMENTS) if cpu else [(GPU_LEVEL, 4), (PLD, 4)]
 
 
 def default_levels(device_type: str, plane: Plane | None = None) -> tuple[str, ...]:

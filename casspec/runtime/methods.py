@@ -15,6 +15,7 @@ from dytc.policies import ChainConfig, ChainPolicy, PldPolicy, Policy, TreePolic
 from dytc.router import DyTC, RouterConfig
 from dytc.sources import LOOKUPS
 
+from .defaults import HC_SEGMENTS
 from .method_table import MULTI_LEVEL, SINGLE_LEVEL, default_sources, parse_sources
 from .request import Request
 
@@ -44,7 +45,7 @@ class Drafters:
         names = ", ".join(f"{n}*{k}" if k else n for n, k in self.sources(req))
         if req.levels:
             return f"{names} (the request's)"
-        if self.plane is not None and self.plane.sources(req.method):
+        if self.plane is not None and self.plane.sources(req.method, HC_SEGMENTS):
             return f"{names} (chosen by the levels measured on this machine, {self.plane.created})"
         return f"{names} (fixed defaults)"
 

@@ -8,8 +8,9 @@ from dsia.errors import CasspecError
 from dsia.levels import LevelConfig
 from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
-from dytc.sources import BOTTOMS, DEFAULT_BOTTOM
+from dytc.sources import BOTTOMS
 
+from .defaults import BOTTOM, LEVEL, MAX_NEW_TOKENS, METHOD
 from .method_table import METHODS, MULTI_LEVEL, parse_sources
 
 Prompt = str | Sequence[dict]  # raw text or chat messages [{"role": ..., "content": ...}]
@@ -17,15 +18,15 @@ Prompt = str | Sequence[dict]  # raw text or chat messages [{"role": ..., "conte
 
 @dataclass(frozen=True)
 class Request:
-    max_new_tokens: int = 256  # hard cap on emitted tokens
+    max_new_tokens: int = MAX_NEW_TOKENS  # hard cap on emitted tokens
     sampling: SamplingParams = SamplingParams()  # greedy by default
     stop: tuple[str, ...] = ()  # stop strings: generation ends once the text contains one (excluded from text)
     seed: int | None = None  # seed of the sampling generator; None = fresh randomness
-    method: str = "ar"  # decoding method, one of METHODS
-    level: str = "int4"  # the draft level of the single-level methods (sd, tree)
+    method: str = METHOD  # decoding method, one of METHODS
+    level: str = LEVEL  # the draft level of the single-level methods (sd, tree)
     levels: tuple[str, ...] = ()  # sources of vc / dytc (level names, strongest first) and of hc / vc+hc
     # (segments "LEVEL*K", "pld*K" or "maxgram*K", in chain order); empty = the method's defaults
-    bottom: str = DEFAULT_BOTTOM  # lookups beneath the levels of vc, tree+vc, vc+hc, dytc: pld | maxgram | both
+    bottom: str = BOTTOM  # lookups beneath the levels of vc, tree+vc, vc+hc, dytc: pld | maxgram | both
     router: RouterConfig | None = None  # dytc's settings (its levels and lookups come from the request); None = default
 
     def __post_init__(self) -> None:

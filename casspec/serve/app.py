@@ -42,8 +42,8 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from dsia.errors import CasspecError
-from dytc.sources import DEFAULT_BOTTOM
 
+from ..runtime.defaults import BOTTOM, LEVEL, METHOD
 from .calls import ApiError, Call, Limits, check_positive, parse_call, read_json
 from ..runtime.engine import Engine
 from .guard import ANY_HOST, LOCAL_HOSTS, Guard, HeadTimeoutProtocol, check_json, hostname, read_body
@@ -58,10 +58,10 @@ log = logging.getLogger("casspec.serve.app")
 @dataclass(frozen=True)
 class ServeConfig:
     model_name: str | None = None  # the name clients pass as "model" (None: the checkpoint's name)
-    method: str = "dytc"  # decoding method of every call
-    level: str = "int4"  # draft level of sd / tree
+    method: str = METHOD  # decoding method of every call
+    level: str = LEVEL  # draft level of sd / tree
     levels: tuple[str, ...] = ()  # sources of the multi-level methods (empty: the method's defaults)
-    bottom: str = DEFAULT_BOTTOM  # statistical lookups beneath the levels
+    bottom: str = BOTTOM  # statistical lookups beneath the levels
     max_queue: int = 32  # calls that may wait behind the running one; one more gets 429
     api_key: str | None = None  # when set, /v1/* need the header "Authorization: Bearer <key>"
     limits: Limits = Limits()  # what one call and its client may cost: body, prompt, stops, max_tokens, deadline,

@@ -27,6 +27,7 @@ from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 from dytc.sources import BOTTOMS
 
+from ..runtime.defaults import BENCH_MAX_NEW_TOKENS, LEVEL
 from ..runtime.engine import Engine
 from .lcpp import LCPP_METHODS, lcpp_runner
 from ..runtime.method_table import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
@@ -71,7 +72,7 @@ def variants(method: str) -> dict[str, dict]:
     return {**(BOTTOM_VARIANTS if method in WITH_BOTTOM else {}), **(DYTC_VARIANTS if method == "dytc" else {})}
 
 
-def method_request(method: str, level: str = "int4", max_new_tokens: int = 128,
+def method_request(method: str, level: str = LEVEL, max_new_tokens: int = BENCH_MAX_NEW_TOKENS,
                    sampling: SamplingParams = SamplingParams(), seed: int | None = None) -> Request:
     """The Request of a bench method spec: `sd:int8`, `tree:skip0.4` (one level), `dytc:int4/int8`, `vc:int4`
     (levels, strongest first), `hc:int4*4/int4+vocab*3/maxgram*3` (segments); `vc~maxgram`, `dytc~both` (the
@@ -166,7 +167,7 @@ def _engine_runner(engine: Engine, method: str, level: str, sampling: SamplingPa
     return run
 
 
-def make_runner(engine: Engine, method: str, level: str = "int4",
+def make_runner(engine: Engine, method: str, level: str = LEVEL,
                 sampling: SamplingParams = SamplingParams(), seed: int = SAMPLING_SEED) -> TurnFn:
     """A turn runner for a bench method spec (HF baselines or engine methods, see method_request); sampled
     generations are seeded with `seed`."""
@@ -326,7 +327,7 @@ def format_table(summary: dict) -> str:
 
 
 def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str], max_new_tokens: int,
-              out_dir: str | Path, dtype: str, repeats: int = 1, progress: bool = True, level: str = "int4",
+              out_dir: str | Path, dtype: str, repeats: int = 1, progress: bool = True, level: str = LEVEL,
               sampling: SamplingParams = SamplingParams(), seed: int = SAMPLING_SEED) -> dict:
     """Run every method over every question `repeats` times (median wall time per turn); write the answers,
     summary.json and return the summary. Sampled generations are seeded with `seed`."""

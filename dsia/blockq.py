@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0 (GGUF's, and the kernel's)
+WEIGHTS_PER_BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0 (GGUF's, and the kernel's)
 TILE = 16  # outputs per tile (the kernel's float lanes)
 LAYOUT = 2  # bumped when BlockLinear's tensors change (stored level copies are then built again; 2: float16 scales)
-GROUPS = BLOCK // 4  # groups of 4 inputs per block
+GROUPS = WEIGHTS_PER_BLOCK // 4  # groups of 4 inputs per block
 HALF_TINY = 2.0 ** -24  # the smallest scale a weight's blocks get (float16's smallest subnormal)
 
 
@@ -34,8 +34,9 @@ class BlockLinear:
 
     def __init__(self, q: Tensor, d: Tensor, m: Tensor | None, bits: int, kind: str = "block") -> None:
         out, n_in = q.shape
-        assert bits in (4, 8) and n_in % BLOCK == 0 and d.shape == (out, n_in // BLOCK), (q.shape, d.shape, bits)
-        nb, tiles = n_in // BLOCK, -(-out // TILE)
+        assert bits in (4, 8) and n_in % WEIGHTS_PER_BLOCK == 0, (q.shape, bits)
+        assert d.shape == (out, n_in // WEIGHTS_PER_BLOCK), (q.shape, d.shape)
+        nb, tiles = n_in // WEIGHTS_PER_BLOCK, -(-out // TILE)
         pad = tiles * TILE - out  # outputs past the last: zero codes and scales
         u = (q.to(torch.int16) + 128).to(torch.uint8) if bits == 8 else q.to(torch.uint8)  # a byte per code
         g = torch.cat((u, torch.full((pad, n_in), 128 if bits == 8 else 0, dtype=torch.uint8)))  # (pad: code 0)
@@ -65,7 +66,7 @@ def q4_1_blocks(w: Tensor, kind: str = "int4") -> BlockLinear:
     """w [out, in] as GGUF Q4_1 blocks: per 32 inputs d = (max - min) / 15, m = min (both rounded to float16, as GGUF
     stores them), w ~ d q + m, q in [0, 15]."""
     out, n_in = w.shape
-    g = w.detach().float().reshape(out, n_in // BLOCK, BLOCK)  # [out, blocks, 32]
+    g = w.detach().float().reshape(out, n_in // WEIGHTS_PER_BLOCK, WEIGHTS_PER_BLOCK)  # [out, blocks, 32]
     lo = g.amin(dim=2).half().float()  # [out, blocks], float16 values (the kernel's scales)
     d = ((g.amax(dim=2) - lo) / 15).clamp(min=HALF_TINY).half().float()
     q = ((g - lo[..., None]) / d[..., None]).round().clamp(0, 15)  # [out, blocks, 32]
@@ -76,7 +77,7 @@ def q8_0_blocks(w: Tensor, kind: str = "int8") -> BlockLinear:
     """w [out, in] as GGUF Q8_0 blocks: per 32 inputs d = max |w| / 127 (rounded to float16), w ~ d q, q in
     [-127, 127]."""
     out, n_in = w.shape
-    g = w.detach().float().reshape(out, n_in // BLOCK, BLOCK)  # [out, blocks, 32]
+    g = w.detach().float().reshape(out, n_in // WEIGHTS_PER_BLOCK, WEIGHTS_PER_BLOCK)  # [out, blocks, 32]
     d = (g.abs().amax(dim=2) / 127).clamp(min=HALF_TINY).half().float()  # [out, blocks], float16 values
     q = (g / d[..., None]).round().clamp(-127, 127)
     return BlockLinear(q.reshape(out, n_in), d, None, 8, kind)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .blockq import BlockLinear
 from .cxx import LIBRARY_DTYPES
-from .invariant import BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
+from .invariant import KEYS_PER_BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS
 from .kernels import casspec_panels, kernel_for, mkl_packed
 from .layer import FUSED_GROUPS, KvAccess
 from .model import Transformer
@@ -172,7 +172,7 @@ def layer_stack(model: Transformer, plan: Plan) -> LayerStack | None:
         [slot.panels for slot in slots], [slot.bias for slot in slots], [slot.group_size for slot in slots],
         [slot.doubled for slot in slots],
         SCALAR_TYPE[acts.pop() if acts else torch.float32], s.n_heads, s.n_kv_heads, s.norm_eps,
-        [BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS])
+        [KEYS_PER_BLOCK, FP32_MIN_ROWS, TORCH_OWN_MACS])
     return LayerStack(stack, tuple(slots))
 
 

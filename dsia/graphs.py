@@ -29,7 +29,7 @@ from .kvcache import KVCache
 from .model import Transformer
 from .plan import Plan
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # token counts graphs are captured for; a longer forward (prefill) runs eagerly
+GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64)  # token counts graphs are captured for; a longer forward (prefill) runs eagerly
 CAPTURE_AFTER = 1  # a (plan, bucket) is captured at its first use (an eager first run costs ~10x a replay)
 MAX_GRAPHS = 48  # graphs held at most (each keeps its static buffers; intermediates share one pool)
 
@@ -80,7 +80,7 @@ class GraphStats:
 class Graphs:
     """The CUDA graphs of one model over one KV cache (with spare slots >= the largest bucket)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS,
+    def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = GRAPH_TOKENS,
                  capture_after: int = CAPTURE_AFTER) -> None:
         assert cache.spare >= buckets[-1], "the cache needs a spare slot per padding row"
         self.model = model.with_graphs(None)  # the eager forward the graphs capture

@@ -14,11 +14,11 @@ depend on those shapes, so at a near-tie of the target the two can pick differen
 
 So in this mode every product runs through oneDNN over two rows or more (`invariant_linear`, `invariant_matmul`
 pad the rows), and the attention (`block_attention`) lays each row's keys out in position order (the committed
-prefix, then its own ancestors), in blocks of BLOCK positions: scores of every row against every slot read (each
-one dot product over the head), a float32 softmax over the row's positions (the masked ones past its last key are
-zeros), each block's share of the output by a product over exactly BLOCK keys, and the blocks summed pairwise in
-position order. Committed whole blocks are read in place by every row; the positions past them (a tree row's
-ancestors, at most BLOCK + depth keys) are gathered per row. The arithmetic is that of HF's eager attention in
+prefix, then its own ancestors), in blocks of KEYS_PER_BLOCK positions: scores of every row against every slot read
+(each one dot product over the head), a float32 softmax over the row's positions (the masked ones past its last key
+are zeros), each block's share of the output by a product over exactly KEYS_PER_BLOCK keys, and the blocks summed
+pairwise in position order. Committed whole blocks are read in place by every row; the positions past them (a tree row's
+ancestors, at most KEYS_PER_BLOCK + depth keys) are gathered per row. The arithmetic is that of HF's eager attention in
 bfloat16 (scores and probabilities rounded to bfloat16), with the weighted sum taken per block.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import Tensor
 from .errors import CasspecError
 from .kernels import DenseFn
 
-BLOCK = 64  # key positions per block: the fixed unit of every attention reduction in the mode
+KEYS_PER_BLOCK = 64  # key positions per block: the fixed unit of every attention reduction in the mode
 
 
 def check_supported(dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
@@ -99,7 +99,7 @@ def rows_independent(dense: DenseFn, shapes: set[tuple[int, int]], hd: int, dtyp
 
     cases = [(functools.partial(invariant_linear, dense), rand(n_out, n_in)) for n_in, n_out in sorted(shapes)]
     if attention:  # (the block attention's products: q @ k.T, p @ v)
-        cases += [(invariant_matmul, rand(BLOCK, hd).t()), (invariant_matmul, rand(BLOCK, hd))]
+        cases += [(invariant_matmul, rand(KEYS_PER_BLOCK, hd).t()), (invariant_matmul, rand(KEYS_PER_BLOCK, hd))]
     cases += [(lambda x, w, k=k: k(x), rand(1, n_in)) for k, n_in in kernels]  # (w: only its in-features count)
     R = max(PROBE_ROWS)
     for fn, w in cases:
@@ -111,7 +111,7 @@ def rows_independent(dense: DenseFn, shapes: set[tuple[int, int]], hd: int, dtyp
 
 
 def _round_up(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
+    return -(-n // KEYS_PER_BLOCK) * KEYS_PER_BLOCK
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,10 @@ class RowKeys:
     [shared, shared + W) are the slots shared + tail, gathered per row from slots [shared, end) (tail None: no
     such positions). bias [T, shared + W] is 0 at the positions holding one of the row's keys (a prefix of
     them), -inf past them."""
-    shared: int  # a multiple of BLOCK
+    shared: int  # a multiple of KEYS_PER_BLOCK
     bias: Tensor  # [T, shared + W] float32
-    tail: Tensor | None = None  # [T, W] long, W a multiple of BLOCK (padding positions read slot `shared`, masked)
+    tail: Tensor | None = None  # [T, W] long, W a multiple of KEYS_PER_BLOCK (padding positions read slot `shared`,
+    # masked)
     end: int = 0  # one past the last slot a tail reads
 
     @staticmethod
@@ -140,7 +141,7 @@ class RowKeys:
         gathered."""
         T, S = ancestors.shape
         dev = ancestors.device
-        shared = prefix // BLOCK * BLOCK
+        shared = prefix // KEYS_PER_BLOCK * KEYS_PER_BLOCK
         rest = prefix - shared  # committed keys in the first gathered block
         count = ancestors.sum(1)  # [T] ancestors per row, itself included
         width = _round_up(rest + int(count.max()))
@@ -177,7 +178,7 @@ def block_attention(q: Tensor, keys: Tensor, values: Tensor, rows: RowKeys, scal
     Hkv = keys.shape[0]
     G = H // Hkv  # query heads per KV head (head h reads KV head h // G)
     shared = rows.shared
-    nS = shared // BLOCK
+    nS = shared // KEYS_PER_BLOCK
     span = max(shared, rows.end)  # every row against every slot read (a tree's further keys, gathered after)
     # (copied: torch's product would copy a strided slice too, and transpose it on the way, which costs more)
     k = keys[:, :span].contiguous()  # [Hkv, span, hd]
@@ -189,14 +190,15 @@ def block_attention(q: Tensor, keys: Tensor, values: Tensor, rows: RowKeys, scal
         v_t = values.index_select(1, rows.tail.flatten() + shared).view(Hkv, T, W, hd)  # [Hkv, T, W, hd]
     scores = torch.add(rows.bias, scores, alpha=scale)  # float32, -inf past each row's keys (+ 0: exact)
     p = torch.softmax(scores, dim=-1).to(q.dtype)  # [Hkv, G, T, positions]
-    # each block's share of the output: a product over BLOCK keys, the rows of every query head and token together
-    p_in = p[..., :shared].reshape(Hkv, G * T, nS, BLOCK).transpose(1, 2)  # [Hkv, nS, G*T, BLOCK]
-    v_in = values[:, :shared].contiguous().view(Hkv, nS, BLOCK, hd)
+    # each block's share of the output: a product over B = KEYS_PER_BLOCK keys, the rows of every query head and token
+    # together
+    p_in = p[..., :shared].reshape(Hkv, G * T, nS, KEYS_PER_BLOCK).transpose(1, 2)  # [Hkv, nS, G*T, B]
+    v_in = values[:, :shared].contiguous().view(Hkv, nS, KEYS_PER_BLOCK, hd)
     parts = invariant_matmul(p_in, v_in).view(Hkv, nS, G, T, hd)
     if rows.tail is not None:
-        nW = W // BLOCK
-        p_t = p[..., shared:].reshape(Hkv, G, T, nW, BLOCK).permute(0, 2, 3, 1, 4)  # [Hkv, T, nW, G, BLOCK]
-        parts_t = invariant_matmul(p_t, v_t.view(Hkv, T, nW, BLOCK, hd))  # [Hkv, T, nW, G, hd]
+        nW = W // KEYS_PER_BLOCK
+        p_t = p[..., shared:].reshape(Hkv, G, T, nW, KEYS_PER_BLOCK).permute(0, 2, 3, 1, 4)  # [Hkv, T, nW, G, B]
+        parts_t = invariant_matmul(p_t, v_t.view(Hkv, T, nW, KEYS_PER_BLOCK, hd))  # [Hkv, T, nW, G, hd]
         parts = torch.cat((parts, parts_t.permute(0, 2, 3, 1, 4)), dim=1)  # [Hkv, nS + nW, G, T, hd]
     return sum_blocks(parts.float()).to(q.dtype).reshape(H, T, hd)  # (a view unless padded rows left gaps)
 

@@ -27,7 +27,8 @@ from .errors import CasspecError
 from .gcpause import paused_gc
 
 DenseFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # x [T, in], w [out, in], b [out] | None -> [T, out]
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # token-count buckets (upper bounds); larger counts (prompts) use the last
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # token-count buckets (upper bounds); larger counts (prompts) use the
+# last
 MKL_PACK_ROWS = 16  # the row count MKL is told when packing a weight; the packed layout serves any row count
 
 
@@ -148,16 +149,16 @@ def time_ms(fn: Callable[[], object], device: torch.device | str) -> float:
 
 def bucket_of(tokens: int) -> int:
     """Index of the bucket a product over `tokens` rows falls in."""
-    return next((i for i, top in enumerate(BUCKETS) if tokens <= top), len(BUCKETS) - 1)
+    return next((i for i, top in enumerate(TOKEN_BUCKETS) if tokens <= top), len(TOKEN_BUCKETS) - 1)
 
 
 @dataclass(frozen=True)
 class DenseKernels:
     """Which kernel runs a dense product over T rows: names[bucket_of(T)]; callable like F.linear."""
-    names: tuple[str, ...] = ("blas",) * len(BUCKETS)  # per bucket of BUCKETS, a key of candidates()
+    names: tuple[str, ...] = ("blas",) * len(TOKEN_BUCKETS)  # per bucket of TOKEN_BUCKETS, a key of candidates()
 
     def __post_init__(self) -> None:
-        assert len(self.names) == len(BUCKETS), self.names
+        assert len(self.names) == len(TOKEN_BUCKETS), self.names
         unknown = sorted(set(self.names) - set(KERNELS))
         if unknown:
             raise CasspecError(f"unknown kernel {unknown[0]!r}: use auto or one of {', '.join(KERNELS)}")
@@ -171,7 +172,7 @@ class DenseKernels:
     def row_invariant(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether every product in dtype on device runs casspec's own kernel (`kernel_for`), whose rows are the
         same bits whatever the row count (by construction: the batch-invariant mode then needs no padding)."""
-        return all(kernel_for(self, top, dtype, device) == "casspec" for top in BUCKETS)
+        return all(kernel_for(self, top, dtype, device) == "casspec" for top in TOKEN_BUCKETS)
 
     def keeps_copy(self, name: str, w: Tensor) -> bool:
         """Whether kernel `name` ("mkl" or "casspec", each keeping a weight in its own layout) runs some product of
@@ -200,18 +201,18 @@ class DenseKernels:
     @staticmethod
     def forced(name: str) -> "DenseKernels":
         """One kernel for every bucket (tests, and `--kernels` overrides)."""
-        return DenseKernels((name,) * len(BUCKETS))
+        return DenseKernels((name,) * len(TOKEN_BUCKETS))
 
     def describe(self) -> str:
         """e.g. 'onednn (T 1-4), blas (T 5+)': each kernel with the token counts it runs."""
         parts, lo = [], 1
         for j, name in enumerate(self.names):
-            if j + 1 < len(BUCKETS) and self.names[j + 1] == name:
+            if j + 1 < len(TOKEN_BUCKETS) and self.names[j + 1] == name:
                 continue
-            last = j + 1 == len(BUCKETS)
-            span = f"{lo}+" if last else str(lo) if lo == BUCKETS[j] else f"{lo}-{BUCKETS[j]}"
+            last = j + 1 == len(TOKEN_BUCKETS)
+            span = f"{lo}+" if last else str(lo) if lo == TOKEN_BUCKETS[j] else f"{lo}-{TOKEN_BUCKETS[j]}"
             parts.append(f"{name} (T {span})")
-            lo = BUCKETS[j] + 1
+            lo = TOKEN_BUCKETS[j] + 1
         return ", ".join(parts)
 
 
@@ -235,9 +236,9 @@ def measure(layers: list[Tensor], head: Tensor, repeats: int = 5, seed: int = 0)
     dtype, device = head.dtype, head.device
     gen = torch.Generator().manual_seed(seed)
     kernels = candidates(dtype, device)
-    times: dict[str, list[list[float]]] = {k: [[math.inf] for _ in BUCKETS] for k in kernels}  # (inf: not timed)
-    for j, T in enumerate(BUCKETS):
-        weights = layers if j + 1 == len(BUCKETS) else layers + [head]
+    times: dict[str, list[list[float]]] = {k: [[math.inf] for _ in TOKEN_BUCKETS] for k in kernels}  # (inf: not timed)
+    for j, T in enumerate(TOKEN_BUCKETS):
+        weights = layers if j + 1 == len(TOKEN_BUCKETS) else layers + [head]
         xs = {i: torch.randn(T, i, generator=gen).to(dtype=dtype, device=device) for i in {w.shape[1] for w in weights}}
         timed = dict(kernels)
         for r in range(-1 if j == 0 else 0, repeats if T <= 64 else 1):  # (r -1: the warm-up pass)
@@ -258,7 +259,7 @@ def measure(layers: list[Tensor], head: Tensor, repeats: int = 5, seed: int = 0)
 def choose(timings: dict[str, list[float]], margin: float = 0.03) -> DenseKernels:
     """The fastest kernel per bucket; BLAS (what HF transformers runs) unless another is faster by `margin`."""
     names = []
-    for j in range(len(BUCKETS)):
+    for j in range(len(TOKEN_BUCKETS)):
         best = min(timings, key=lambda k: timings[k][j])
         if "blas" in timings and timings[best][j] > (1 - margin) * timings["blas"][j]:
             best = "blas"

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import CasspecError
-from .invariant import BLOCK, block_attention, invariant_linear, row_keys
+from .invariant import KEYS_PER_BLOCK, block_attention, invariant_linear, row_keys
 from .cxx import LIBRARY_DTYPES
 from .kernels import DenseFn, DenseKernels
 from .kvcache import KVCache
@@ -89,7 +89,7 @@ class Transformer(Variants):
         s = self.spec
         cap = min(capacity or self.context, self.context)
         if self.batch_invariant:  # its attention reads whole blocks of slots, past the last one written
-            spare = max(spare, BLOCK)
+            spare = max(spare, KEYS_PER_BLOCK)
         self._check_fits(cap + spare)
         return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, cap, self.dtype, self.device, spare)
 

@@ -46,7 +46,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .blockq import BLOCK, LAYOUT, BlockLinear, q4_1_blocks, q8_0_blocks
+from .blockq import WEIGHTS_PER_BLOCK, LAYOUT, BlockLinear, q4_1_blocks, q8_0_blocks
 from .cxx import build_error
 from .errors import CasspecError
 from .layer import FUSED_GROUPS
@@ -97,7 +97,7 @@ class QuantConfig:
     @property
     def block_kernel(self) -> bool:
         """Whether the BLOCK_KINDS run casspec's block kernel on a CPU (`blocks`, group 32, the library built)."""
-        return self.blocks and self.group_size == BLOCK and build_error() is None
+        return self.blocks and self.group_size == WEIGHTS_PER_BLOCK and build_error() is None
 
 
 def quantize_head(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear | RescoredHead:
@@ -114,7 +114,7 @@ def quantize_head(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear | Resco
 def blocks_for(w: Tensor, kind: str, cfg: QuantConfig) -> bool:
     """Whether w [out, in] of `kind` runs casspec's block kernel (see QuantConfig.blocks; its float16 scales hold
     weights up to HALF_SAFE)."""
-    return (cfg.block_kernel and kind in BLOCK_KINDS and w.shape[1] % BLOCK == 0 and w.device.type == "cpu"
+    return (cfg.block_kernel and kind in BLOCK_KINDS and w.shape[1] % WEIGHTS_PER_BLOCK == 0 and w.device.type == "cpu"
             and float(w.abs().max()) < HALF_SAFE)
 
 

@@ -27,7 +27,7 @@ maxgram: CS Drafting's Max-Gram (arXiv 2312.11462). A suffix automaton of the hi
 
 Both implement `Lookup`: `extend` the history with committed tokens, `propose_after(extra, k)` the tokens that
 continue history + extra (extra: drafted tokens not committed yet, e.g. a tree path) with the match length behind
-the first one, which the router's acceptance estimates bucket by. `LOOKUPS` makes one by source name.
+the first one, which the router's acceptance estimates bucket by. `LOOKUP_CLASSES` makes one by source name.
 
 Confidence (per draft token, in [0, 1], conditional on the earlier draft tokens being right; a path's confidence
 is the product): a token copied after an n-token match gets match_confidence(n) = n / (n + 1) (1 -> 0.5,
@@ -252,9 +252,9 @@ class MaxGram:
         return v, n
 
 
-LOOKUPS: dict[str, type] = {PLD: PromptLookup, MAXGRAM: MaxGram}  # source name -> lookup class
+LOOKUP_CLASSES: dict[str, type] = {PLD: PromptLookup, MAXGRAM: MaxGram}  # source name -> lookup class
 
 
 def new_lookup(name: str, tokens: Sequence[int], eos_ids: Collection[int]) -> Lookup:
     """A lookup by source name over an initial history."""
-    return LOOKUPS[name](tokens, eos_ids=eos_ids)
+    return LOOKUP_CLASSES[name](tokens, eos_ids=eos_ids)

@@ -16,7 +16,7 @@ from casspec.runtime.method_table import METHODS
 from dsia.cxx import build_error
 from dsia.errors import CasspecError
 from dsia.fastloop import cxx_pointwise
-from dsia.invariant import BLOCK, RowKeys, block_attention, rows_independent
+from dsia.invariant import KEYS_PER_BLOCK, RowKeys, block_attention, rows_independent
 from dsia.kernels import DenseKernels
 from dsia.model import Transformer
 from dytc.router import RouterConfig
@@ -92,8 +92,8 @@ def differing_rows(m: Transformer, prompt: list[int], parents: list[int], tokens
 
 
 # prompts that end inside the first block, on block edges and inside the second; chains and trees of 2-16 nodes
-CASES = [(1, 4, True), (BLOCK - 3, 8, False), (BLOCK - 3, 8, True), (BLOCK, 16, True), (BLOCK + 1, 2, False),
-         (2 * BLOCK - 5, 16, True)]
+B = KEYS_PER_BLOCK
+CASES = [(1, 4, True), (B - 3, 8, False), (B - 3, 8, True), (B, 16, True), (B + 1, 2, False), (2 * B - 5, 16, True)]
 
 
 @pytest.mark.parametrize("L,n,tree", CASES)
@@ -110,7 +110,7 @@ def test_without_the_mode_rows_differ():
     (if this fails, this machine's kernels are batch-invariant without the mode)."""
     rng = random.Random(0)
     V = model(False).spec.vocab_size
-    prompt, tokens = [rng.randrange(V) for _ in range(BLOCK + 7)], [rng.randrange(V) for _ in range(16)]
+    prompt, tokens = [rng.randrange(V) for _ in range(KEYS_PER_BLOCK + 7)], [rng.randrange(V) for _ in range(16)]
     if differing_rows(model(False), prompt, random_tree(16, rng), tokens) == 0:
         pytest.skip("this machine's kernels are batch-invariant for these shapes without the mode")
 
@@ -151,15 +151,15 @@ def test_some_method_leaves_ar_without_the_mode():
         pytest.skip("no near-tie of these tiny models flips on this machine's kernels without the mode")
 
 
-@pytest.mark.parametrize("prefix", [0, 5, BLOCK, 2 * BLOCK + 9])
+@pytest.mark.parametrize("prefix", [0, 5, KEYS_PER_BLOCK, 2 * KEYS_PER_BLOCK + 9])
 def test_block_attention_is_the_models_attention(prefix):
     """Against float32 SDPA over the same keys with the tree's mask: the error of bfloat16 rounding only."""
     gen = torch.Generator().manual_seed(prefix)
     H, Hkv, hd, parents = 6, 2, 16, [-1, 0, 0, 1, 2, 2, 4, 6]
     T, S = len(parents), prefix + len(parents)
     q = torch.randn(H, T, hd, generator=gen).bfloat16()
-    keys = torch.randn(Hkv, S + BLOCK, hd, generator=gen).bfloat16()
-    values = torch.randn(Hkv, S + BLOCK, hd, generator=gen).bfloat16()
+    keys = torch.randn(Hkv, S + KEYS_PER_BLOCK, hd, generator=gen).bfloat16()
+    values = torch.randn(Hkv, S + KEYS_PER_BLOCK, hd, generator=gen).bfloat16()
     anc = ancestor_mask(parents)
     rows = RowKeys.tree(prefix, prefix, anc)
     out = block_attention(q, keys, values, rows, hd ** -0.5).float()  # [H, T, hd]
@@ -191,7 +191,7 @@ def test_over_torchs_kernels_the_mode_runs_or_refuses():
         return
     rng = random.Random(7)
     V = m.spec.vocab_size
-    prompt, tokens = [rng.randrange(V) for _ in range(BLOCK + 3)], [rng.randrange(V) for _ in range(8)]
+    prompt, tokens = [rng.randrange(V) for _ in range(KEYS_PER_BLOCK + 3)], [rng.randrange(V) for _ in range(8)]
     assert differing_rows(model(True, own=False), prompt, random_tree(8, rng), tokens) == 0
 
 
@@ -208,8 +208,8 @@ def test_the_engine_runs_casspecs_kernels_in_the_mode():
     assert e.model.dense_row_invariant() and layer_stack(e.model, TARGET) is not None
     rng = random.Random(3)
     V = e.model.spec.vocab_size
-    prompt, tokens, parents = [rng.randrange(V) for _ in range(BLOCK + 5)], [rng.randrange(V) for _ in range(9)], \
-        random_tree(9, rng)
+    prompt = [rng.randrange(V) for _ in range(KEYS_PER_BLOCK + 5)]
+    tokens, parents = [rng.randrange(V) for _ in range(9)], random_tree(9, rng)
     with torch.inference_mode():
         outs = []
         for m in (e.model, e.model.with_stacks(None)):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from casspec.loading.checkpoints import load
-from casspec.loading.weights import PROJECTIONS
+from casspec.loading.weights import HF_PROJECTIONS
 from dsia.errors import CasspecError
 from tiny import tiny_gguf, tiny_model, tiny_tokenizer
 
@@ -92,7 +92,7 @@ def runtime_state(rt) -> dict[str, torch.Tensor]:
     for i, lw in enumerate(rt.layers):
         pre = f"model.layers.{i}."
         state |= {pre + "input_layernorm.weight": lw.attn_norm, pre + "post_attention_layernorm.weight": lw.mlp_norm}
-        state |= {pre + name + ".weight": getattr(lw, field) for field, name in PROJECTIONS.items()}
+        state |= {pre + name + ".weight": getattr(lw, field) for field, name in HF_PROJECTIONS.items()}
     return state
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from casspec.runtime.engine import Request
-from dsia.graphs import BUCKETS, Graphs, capturable
+from dsia.graphs import GRAPH_TOKENS, Graphs, capturable
 from dsia.model import Transformer
 from dsia.plan import Plan
 from dytc.sampling import SamplingParams
@@ -47,7 +47,7 @@ def test_graph_forward_equals_eager_forward(arch, parents, prefix, chain):
     nodes = torch.randint(3, 97, (len(parents),), generator=g)
     caches = []
     for graphs in (False, True):
-        cache = rt.new_cache(128, spare=BUCKETS[-1] if graphs else 0)
+        cache = rt.new_cache(128, spare=GRAPH_TOKENS[-1] if graphs else 0)
         model = rt.with_graphs(Graphs(rt, cache, capture_after=1) if graphs else None)
         model.forward(cache, ids, torch.arange(prefix), 0)
         cache.commit(list(range(prefix)))
@@ -66,7 +66,7 @@ def test_graph_forward_equals_eager_forward(arch, parents, prefix, chain):
 @torch.no_grad()
 def test_graphs_capture_on_second_use_and_skip_long_or_stateful_forwards():
     rt = Transformer.from_hf(tiny_model("llama", seed=1))
-    cache = rt.new_cache(200, spare=BUCKETS[-1])
+    cache = rt.new_cache(200, spare=GRAPH_TOKENS[-1])
     graphs = Graphs(rt, cache, capture_after=2)
     model = rt.with_graphs(graphs)
     model.forward(cache, torch.randint(3, 97, (70,)), torch.arange(70), 0)  # longer than the largest bucket

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 from casspec.calibrate.tune import STEP_TOKENS, format_steps, format_tuning, step_times, tuned_kernels, tuning_key
 from dsia.errors import CasspecError
-from dsia.kernels import BUCKETS, DenseKernels, bucket_of, candidates, choose
+from dsia.kernels import TOKEN_BUCKETS, DenseKernels, bucket_of, candidates, choose
 from dsia.model import Transformer
 from tiny import tiny_engine, tiny_model
 
-# ms of one layer's linears plus the LM head of SmolLM2-135M at 1, 4, 8, 16 tokens (issue 13), spread over BUCKETS
+# ms of one layer's linears plus the LM head of SmolLM2-135M at 1, 4, 8, 16 tokens (issue 13), spread over TOKEN_BUCKETS
 INTEL = {"blas": [3.58, 5.0, 6.71, 13.24, 14.26, 20.0, 30.0, 90.0],
          "onednn": [3.79, 6.0, 9.36, 11.11, 13.48, 21.0, 33.0, 99.0]}
 AMD = {"blas": [6.0, 8.0, 10.0, 16.0, 22.0, 30.0, 50.0, 150.0], "onednn": [3.2, 4.5, 5.5, 9.0, 14.0, 24.0, 45.0, 135.0]}
@@ -24,13 +24,13 @@ XEON = {"blas": [28.2, 30.3, 60.6, 57.8, 83.2, 86.1, 105.0, 531.0],
 
 
 def test_choice_follows_the_measurement():
-    assert choose(AMD).names == ("onednn",) * len(BUCKETS)  # oneDNN 1.5-2x faster there
+    assert choose(AMD).names == ("onednn",) * len(TOKEN_BUCKETS)  # oneDNN 1.5-2x faster there
     intel = choose(INTEL)  # BLAS wins but where oneDNN is faster by more than the margin (8 and 16 tokens)
     assert intel.names == ("blas", "blas", "blas", "onednn", "onednn", "blas", "blas", "blas")
     assert choose(XEON).names == ("blas", "blas", "mkl", "mkl", "mkl", "mkl", "blas", "blas")
-    near = {"blas": [10.0] * len(BUCKETS), "onednn": [9.8] * len(BUCKETS)}  # 2% faster: within the margin
-    assert choose(near).names == ("blas",) * len(BUCKETS)
-    assert choose({"blas": INTEL["blas"]}).names == ("blas",) * len(BUCKETS)  # the only candidate (e.g. a GPU)
+    near = {"blas": [10.0] * len(TOKEN_BUCKETS), "onednn": [9.8] * len(TOKEN_BUCKETS)}  # 2% faster: within the margin
+    assert choose(near).names == ("blas",) * len(TOKEN_BUCKETS)
+    assert choose({"blas": INTEL["blas"]}).names == ("blas",) * len(TOKEN_BUCKETS)  # the only candidate (e.g. a GPU)
 
 
 def test_buckets_and_description():
@@ -113,6 +113,6 @@ def test_a_kernel_far_slower_in_a_bucket_is_not_timed_in_larger_ones(monkeypatch
     timings = kernels.measure(layers, head, repeats=3)
     assert all(t < float("inf") for t in timings["blas"])
     assert timings["slow"][0] > kernels.SLOWER_GONE * timings["blas"][0]
-    assert timings["slow"][1:] == [float("inf")] * (len(BUCKETS) - 1) and set(calls) == {BUCKETS[0]}
+    assert timings["slow"][1:] == [float("inf")] * (len(TOKEN_BUCKETS) - 1) and set(calls) == {TOKEN_BUCKETS[0]}
     rec = {"names": list(choose(timings).names), "timings_ms": timings}
-    assert rec["names"] == ["blas"] * len(BUCKETS) and "| - |" in format_tuning(rec)
+    assert rec["names"] == ["blas"] * len(TOKEN_BUCKETS) and "| - |" in format_tuning(rec)

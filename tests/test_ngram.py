@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dytc.ngram import LOOKUPS, MaxGram, PromptLookup, match_confidence, new_lookup
+from dytc.ngram import LOOKUP_CLASSES, MaxGram, PromptLookup, match_confidence, new_lookup
 
 SETTINGS = settings(max_examples=150, deadline=None)
 histories = st.lists(st.integers(0, 4), max_size=50)  # a small alphabet: many repeats
@@ -215,7 +215,7 @@ def test_maxgram_propose_after_equals_reference(hist, extra, k, min_match):
 
 
 @SETTINGS
-@given(histories, st.sampled_from(sorted(LOOKUPS)))
+@given(histories, st.sampled_from(sorted(LOOKUP_CLASSES)))
 def test_every_lookup_proposes_after_nothing_as_it_proposes(hist, name):
     d = new_lookup(name, hist, ())
     assert d.propose_after([], 6)[0] == d.propose(6)[0]

@@ -24,7 +24,7 @@ from dsia.skip import SkipSwitch, contiguous_skips, skip_plan
 from .engine_view import EngineView
 from .questions import Question
 
-DEFAULT_LEVELS = ("int8", "int4", "nf4", "skip0.4", "skip0.6", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
+REPORT_LEVELS = ("int8", "int4", "nf4", "skip0.4", "skip0.6", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
 WARMUP_PROMPT = "Write a few paragraphs about the history of printing, from woodblocks to laser printers."
 CHUNK = 8  # tokens teacher-forced per draft forward when measuring agreement
 TIMING_TOKEN = 7  # the token a cost-ratio forward runs (any id: a dense forward's time does not depend on it)
@@ -162,7 +162,7 @@ def format_levels(report: dict) -> str:
 
 
 def parse_levels(spec: str | None) -> list[str]:
-    names = [n.strip() for n in (spec.split(",") if spec else DEFAULT_LEVELS) if n.strip()]
+    names = [n.strip() for n in (spec.split(",") if spec else REPORT_LEVELS) if n.strip()]
     for n in names:
         LevelConfig.parse(n)  # a clear error before any work
     return names

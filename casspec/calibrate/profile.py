@@ -34,14 +34,14 @@ from dytc.tree import ancestor_mask, position_ids
 from .engine_view import EngineView
 
 
-DEFAULT_LEVELS = ("int8", "int4", "int4+vocab", "skip0.4", "sparse0.5")  # dytc's default levels and one per strategy
+PROFILE_LEVELS = ("int8", "int4", "int4+vocab", "skip0.4", "sparse0.5")  # dytc's default levels and one per strategy
 
 
 @dataclass(frozen=True)
 class ProfileConfig:
     tokens: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # T per forward
     contexts: tuple[int, ...] = (128, 1024, 4096)  # committed tokens C (capped by the window)
-    levels: tuple[str, ...] = DEFAULT_LEVELS  # draft levels profiled besides the target
+    levels: tuple[str, ...] = PROFILE_LEVELS  # draft levels profiled besides the target
     shapes: tuple[str, ...] = ("chain", "tree")  # attention masks of the T tokens
     repeats: int = 5  # timed rounds over each context's points
     warmup: int = 1  # untimed rounds first

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from dsia.errors import CasspecError
-from dsia.kernels import BUCKETS, DenseKernels, candidates, choose, measure, time_ms
+from dsia.kernels import TOKEN_BUCKETS, DenseKernels, candidates, choose, measure, time_ms
 from dsia.kvcache import KVCache
 from dsia.model import Transformer
 from dytc.machine import machine_info
@@ -51,7 +51,7 @@ def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = 
     key = tuning_key(model)
     store = read_json(path) or {}  # missing or unreadable: measure again
     rec = store.get(key)
-    valid = isinstance(rec, dict) and isinstance(rec.get("names"), list) and len(rec["names"]) == len(BUCKETS)
+    valid = isinstance(rec, dict) and isinstance(rec.get("names"), list) and len(rec["names"]) == len(TOKEN_BUCKETS)
     if valid and not refresh:
         try:
             return DenseKernels(tuple(rec["names"])), dict(rec, source="cached")
@@ -72,7 +72,7 @@ def format_tuning(rec: dict) -> str:
     timings = rec["timings_ms"]
     head = "| tokens | " + " | ".join(f"{k} ms" for k in timings) + " | chosen |"
     lines = [head, "|" + "---|" * (len(timings) + 2)]
-    for j, top in enumerate(BUCKETS):
+    for j, top in enumerate(TOKEN_BUCKETS):
         cells = [f"{timings[k][j]:.3f}" if math.isfinite(timings[k][j]) else "-" for k in timings]  # (-: not timed)
         lines.append(f"| {top} | " + " | ".join(cells) + f" | {rec['names'][j]} |")
     return "\n".join(lines)

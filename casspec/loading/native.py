@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dsia.blockq import BLOCK, BlockLinear, exact_in_half
+from dsia.blockq import WEIGHTS_PER_BLOCK, BlockLinear, exact_in_half
 from dsia.errors import CasspecError
 from dsia.cxx import build_error
 from dsia.layer import FUSED_GROUPS
@@ -35,7 +35,7 @@ from .ggufcheck import GGUFFile
 WEIGHTS = ("float", "native")  # what --weights takes
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # run by packed kernels
 DENSE_TYPES = ("F32", "F16", "BF16")  # left to the dense products
-PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
+GGUF_PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
                "ffn_down": "down"}  # GGUF tensor name in a block -> the runtime's projection name
 
 
@@ -66,7 +66,7 @@ def unpermute(w: Tensor, heads: int) -> Tensor:
 
 def dequantize(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
     """The float32 weight [out, in] of decoded blocks, as llama.cpp (and the loader) computes it."""
-    g = q.reshape(q.shape[0], -1, BLOCK).float()  # [out, n_blocks, 32]
+    g = q.reshape(q.shape[0], -1, WEIGHTS_PER_BLOCK).float()  # [out, n_blocks, 32]
     if kind == "Q4_0":
         g = g - 8
     w = g * d[..., None] + (m[..., None] if m is not None else 0)
@@ -89,14 +89,14 @@ def kernel(kind: str, q: Tensor, d: Tensor, m: Tensor | None) -> QuantLinear | B
                                "values (or overflow at -8 d): the file is corrupt; use another file")
         return BlockLinear(q, d, offset, 8 if kind == "Q8_0" else 4)
     if kind == "Q8_0":
-        return Int8GroupLinear.from_codes(q, d, BLOCK)
+        return Int8GroupLinear.from_codes(q, d, WEIGHTS_PER_BLOCK)
     zero = m + 8 * d if m is not None else torch.zeros_like(d)
-    return Int4Linear.from_codes(q, d, zero, BLOCK)
+    return Int4Linear.from_codes(q, d, zero, WEIGHTS_PER_BLOCK)
 
 
 def fits(out: int, n_in: int) -> bool:
     """Whether `kernel` takes an [out, in] weight (else it stays dense)."""
-    return n_in % BLOCK == 0 if block_kernel() else int4_fits(out, n_in, BLOCK)
+    return n_in % WEIGHTS_PER_BLOCK == 0 if block_kernel() else int4_fits(out, n_in, WEIGHTS_PER_BLOCK)
 
 
 ROWS_CHECKED = 8  # rows of a tensor whose order is tried before the whole tensor is compared (spread evenly)
@@ -130,7 +130,7 @@ def native_plan(gguf: Path, model: Transformer) -> Plan:
     loaded from the same file."""
     if model.device.type != "cpu":
         raise CasspecError("--weights native runs torch's packed CPU kernels: use --device cpu (or --weights float)")
-    names = {f"blk.{i}.{g}.weight": (i, p) for i in range(model.spec.n_layers) for g, p in PROJECTIONS.items()}
+    names = {f"blk.{i}.{g}.weight": (i, p) for i in range(model.spec.n_layers) for g, p in GGUF_PROJECTIONS.items()}
     with GGUFFile(gguf) as src:
         header = src.header()  # casspec's bounded reader (ggufcheck.py): the tensors' bytes lie inside the file
         tensors = {t.name: t for t in header.tensors}

@@ -32,7 +32,7 @@ from dsia.spec import ModelSpec
 
 from ..cache.usercache import ChecksumError, open_regular, parse_json, read_hashed, read_json_file
 
-PROJECTIONS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+HF_PROJECTIONS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
                "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
 LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a layer's tensor names
 BIASED = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj"}  # Qwen2's q/k/v bias
@@ -110,7 +110,7 @@ def read_runtime(path: Path, dtype: torch.dtype, device: torch.device,
         norms = {n: w(pre + f"self_attn.{n}.weight") if spec.qk_norm else None for n in ("q_norm", "k_norm")}
         layers.append(LayerWeights(
             attn_norm=w(pre + "input_layernorm.weight"), mlp_norm=w(pre + "post_attention_layernorm.weight"),
-            **{field: w(pre + name + ".weight") for field, name in PROJECTIONS.items()}, **norms,
+            **{field: w(pre + name + ".weight") for field, name in HF_PROJECTIONS.items()}, **norms,
             bias={n: w(pre + name + ".bias") for n, name in BIASED.items() if pre + name + ".bias" in state}))
     embed = w("model.embed_tokens.weight")
     head = embed if config.get("tie_word_embeddings", False) else w("lm_head.weight")  # (HF's default: untied)

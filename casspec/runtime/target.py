@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from dsia.cxx import LIBRARY_DTYPES, build_error, built, source_digest
 from dsia.errors import CasspecError
 from dsia.fastloop import Stacks, cxx_pointwise
-from dsia.graphs import BUCKETS, Graphs
+from dsia.graphs import GRAPH_TOKENS, Graphs
 from dsia.kvcache import KVCache
 from dsia.model import Transformer
 from dsia.pointwise import compiled_pointwise
@@ -108,7 +108,7 @@ def build_target(loaded: Loaded, opts: EngineOptions) -> Target:
         ("fused projections", fuse), ("compiled pointwise", compiled), ("CUDA graphs", graphs),
         ("c++ layers", stacked), ("c++ ops", stacked and not compiled), ("batch-invariant", invariant),
         (f"casspec library {source_digest()}", not cuda and build_error() is None)) if on])
-    cache = model.new_cache(model.context, spare=BUCKETS[-1] if graphs else 0)
+    cache = model.new_cache(model.context, spare=GRAPH_TOKENS[-1] if graphs else 0)
     runner = Graphs(model, cache) if graphs else None
     return Target(model.with_graphs(runner), cache, runner, kernels, build)
 

@@ -14,7 +14,7 @@ PACKAGES = ("dsia", "dytc", "casspec", "scripts")  # in layer order
 CASSPEC_LAYERS = (  # casspec's subpackages (and top-level modules) by layer, lowest first
     ("cache",),  # the user cache's files, keys and locks; kept state
     ("loading",),  # reading checkpoints (HF folders, GGUF), native kernels, the levels' stored copies
-    ("calibrate",),  # measuring the machine: kernels, latency profiles, the levels plane, agreement
+    ("calibrate",),  # measuring the machine: kernels, latency profiles, the levels plane, agreement, first use
     ("runtime",),  # Engine, the decode step, the target, requests, methods, statistics
     ("tools", "serve"),  # bench, ablations, the oracle replay's recording; the server
     ("cli_args", "cli", "__main__", ""),  # the command line (and the package's exports)

@@ -112,8 +112,8 @@ def small_plane(monkeypatch):
     """A quick plane (three candidates, short answers), counting its measurements."""
     cfg = PlaneConfig(candidates=("int8", "int4+vocab", "bf16"), max_new_tokens=12, repeats=2)
     monkeypatch.setattr(plane_mod, "PlaneConfig", lambda **kw: cfg)
-    from casspec.runtime import engine as engine_mod
-    monkeypatch.setattr(engine_mod, "PlaneConfig", lambda **kw: cfg)  # (whatever candidates this CPU would measure)
+    from casspec.calibrate import first_use
+    monkeypatch.setattr(first_use, "PlaneConfig", lambda **kw: cfg)  # (whatever candidates this CPU would measure)
     measured = []
     real = plane_mod.measure
 
@@ -128,8 +128,8 @@ def small_plane(monkeypatch):
 def test_first_use_measures_caches_and_chooses(cache, small_plane, monkeypatch):
     from casspec.calibrate import autoprofile as ap
     monkeypatch.setattr(ap, "autoprofile", lambda engine, key, levels, progress=True: None)  # the plane alone here
-    from casspec.runtime import engine as engine_mod
-    monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key, levels: None)
+    from casspec.calibrate import first_use
+    monkeypatch.setattr(first_use, "autoprofile", lambda engine, key, levels: None)
     e = tiny_engine(autoprofile=True)
     assert small_plane == [("int8", "int4+vocab", "bf16")]
     assert e.plane is not None and {r.name for r in e.plane.ranked} == {"int8", "int4+vocab", "bf16"}
@@ -168,8 +168,8 @@ def test_no_autoprofile_and_nothing_cached_keeps_the_fixed_defaults(cache, small
 
 
 def test_an_unreadable_plane_is_measured_again(cache, small_plane, monkeypatch):
-    from casspec.runtime import engine as engine_mod
-    monkeypatch.setattr(engine_mod, "run_autoprofile", lambda engine, key, levels: None)
+    from casspec.calibrate import first_use
+    monkeypatch.setattr(first_use, "autoprofile", lambda engine, key, levels: None)
     e = tiny_engine(autoprofile=True)
     (path,) = (cache / "planes").glob("*.json")
     path.write_text("{not json")
@@ -202,3 +202,20 @@ def test_a_cpu_with_casspecs_library_measures_the_block_kinds_only(monkeypatch):
     monkeypatch.setattr(cxx, "build_error", lambda: "no compiler")
     assert plane_mod.cpu_candidates() == plane_mod.CPU_CANDIDATES
     assert set(plane_mod.LIBRARY_CANDIDATES) < set(plane_mod.CPU_CANDIDATES)
+
+
+def test_a_calibration_handed_in_is_used_and_nothing_is_measured(monkeypatch):
+    """Engine(calibration=...) takes the plane and latency model it is handed (from_pretrained or a caller that
+    calibrated already) and measures nothing itself."""
+    from casspec.calibrate.first_use import Calibration
+    from casspec.loading.checkpoints import Loaded
+    from casspec.runtime import engine as engine_mod
+
+    first = tiny_engine()
+    monkeypatch.setattr(engine_mod, "calibrate", lambda *a, **k: pytest.fail("calibrated though one was handed in"))
+    cal = Calibration(None, first.latency, "handed in")
+    e = engine_mod.Engine(Loaded(first.hf_model, first.tokenizer, "tiny"), calibration=cal, kernels="blas",
+                          keep_state=False)
+    assert e.plane is None and e.latency is first.latency and e.latency_source == "handed in"
+    assert e.generate_ids([5, 17, 9], Request(method="dytc", max_new_tokens=6)).token_ids == \
+        e.generate_ids([5, 17, 9], Request(method="ar", max_new_tokens=6)).token_ids

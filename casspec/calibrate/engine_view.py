@@ -19,6 +19,7 @@ class EngineView(Protocol):
     cache: KVCache  # its KV cache (the committed prefix, then scratch)
     levels: LevelRegistry  # its draft levels, built on first use
     eos_ids: frozenset[int]  # tokens that end a generation
+    tokenizer: object | None  # its tokenizer (None: token ids only)
 
     @property
     def device(self) -> torch.device: ...

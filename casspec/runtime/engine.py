@@ -22,27 +22,23 @@ import torch
 from dsia.errors import CasspecError
 from dsia.gcpause import paused_gc
 from dsia.levels import LevelRegistry
-from dytc.latency import FeatureSpec, LatencyModel, read_predictor, select_profile
 from dytc.machine import machine_info
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams
 from dytc.verify import Noise
 
-from ..calibrate.autoprofile import autoprofile as run_autoprofile
-from ..calibrate.autoprofile import cached_profile
 from .defaults import BOTTOM, LEVEL, MAX_NEW_TOKENS, METHOD
 from .detok import TextStream
+from ..calibrate.first_use import Calibration, calibrate
 from ..loading.levelstore import LevelStore
 from ..loading.checkpoints import Loaded, load
 from .method_table import default_levels
 from .methods import Drafters, make_policy
-from ..calibrate.plane import MIN_CONTEXT, Plane, PlaneConfig, cpu_candidates, levels_plane, plane_key
 from .request import Prompt, Request
 from ..cache.state import StateFile
 from .stats import Result, Stats
 from .step import pick, prefill, seed_of, steps
 from .target import EngineOptions, build_target
-from ..cache.usercache import profile_key, read_json
 
 
 def _options(options: EngineOptions | None, overrides: dict[str, object]) -> EngineOptions:
@@ -54,11 +50,12 @@ def _options(options: EngineOptions | None, overrides: dict[str, object]) -> Eng
 
 
 class Engine:
-    def __init__(self, loaded: Loaded, options: EngineOptions | None = None, **overrides: object) -> None:
+    def __init__(self, loaded: Loaded, options: EngineOptions | None = None, calibration: Calibration | None = None,
+                 **overrides: object) -> None:
         """A runtime over a loaded checkpoint, built as `options` say (target.EngineOptions; its fields may also be
-        given as keywords: Engine(loaded, kernels="blas", autoprofile=False)). With options.autoprofile, what this
-        machine has not measured yet for the checkpoint (the levels plane, a latency profile) is measured now, once
-        (user cache)."""
+        given as keywords: Engine(loaded, kernels="blas", autoprofile=False)). `calibration`: what this machine
+        measured for the checkpoint (calibrate/first_use.py); None: read back from the user cache, and with
+        options.autoprofile what is not there yet (the levels plane, a latency profile) measured now, once."""
         opts = _options(options, overrides)
         t0 = time.perf_counter()
         self.hf_model = loaded.model
@@ -72,12 +69,9 @@ class Engine:
         store = LevelStore(loaded.store_dir / "levels", self.dtype, self.device) if loaded.store_dir else None
         self.levels = LevelRegistry(self.model, store=store)  # draft levels, built on first use and reused
         self.setup = {"kernels": time.perf_counter() - t0}  # seconds of set-up by phase, until a generation reports
-        t0 = time.perf_counter()
-        self.plane = self._levels_plane(opts.autoprofile)  # chooses the default draft levels (before they are profiled)
-        self.setup["plane"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.latency, self.latency_source = self._latency_model(opts.autoprofile)
-        self.setup["profile"] = time.perf_counter() - t0
+        cal = calibration or calibrate(self, opts.autoprofile, lambda plane: default_levels(self.device.type, plane))
+        self.plane, self.latency, self.latency_source = cal.plane, cal.latency, cal.latency_source
+        self.setup.update(cal.seconds)
         self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, self.build)
                       if opts.keep_state else None)
         self._state_origin = self.latency_source  # the latency model the kept state grew from
@@ -123,37 +117,6 @@ class Engine:
     @property
     def _dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
-
-    def _levels_plane(self, measure: bool) -> Plane | None:
-        """The draft levels measured on this machine that choose the multi-level methods' default sources
-        (plane.py): read back, else measured now when `measure` (first use); None on a GPU (issue 18's measured
-        default), without a tokenizer, or when the context window is too small to measure in."""
-        if self.device.type != "cpu" or self.tokenizer is None or self.cache.capacity < MIN_CONTEXT:
-            return None
-        cfg = PlaneConfig(candidates=cpu_candidates())
-        key = plane_key(profile_key(machine_info("cpu"), self.name, self._dtype_name, self.build), cfg)
-        return levels_plane(self, key, measure, cfg)
-
-    def _latency_model(self, autoprofile: bool) -> tuple[LatencyModel, str]:
-        """The predictor of the profile measured on this machine for this model and dtype (the repo's, else the
-        one made on first use, measured now if need be); without one, an empty model that learns online from
-        this engine's own timings."""
-        machine = machine_info(self.device.type)
-        path = select_profile(machine, self.name, self._dtype_name, self.build)
-        latency = read_predictor(read_json(path)) if path is not None else None
-        if latency is not None:
-            return latency, f"profile {path.name}"
-        key = profile_key(machine, self.name, self._dtype_name, self.build)
-        prof = (run_autoprofile(self, key, default_levels(self.device.type, self.plane)) if autoprofile
-                else cached_profile(key))
-        latency = read_predictor(prof) if prof is not None else None
-        if latency is not None:
-            return latency, f"profile made on first use ({prof.get('created')})"
-        s = self.model.spec
-        elem = self.model.embed.element_size()
-        spec = FeatureSpec.for_model(self.model.weight_bytes() // elem, s.n_layers, s.n_heads, s.n_kv_heads,
-                                     s.head_dim, elem)
-        return LatencyModel(spec), "no profile for this machine, model and dtype: fitting online from own timings"
 
     def _eos_ids(self, generation_eos: tuple[int, ...]) -> frozenset[int]:
         ids: set[int] = set(generation_eos)  # generation_config's, where no HF model carries it

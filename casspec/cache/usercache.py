@@ -29,17 +29,19 @@ import re
 import shutil
 import stat
 import tempfile
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator, TypeVar
 
 from filelock import FileLock, Timeout
 
 from dsia.errors import CasspecError, warn
 from dsia.levels import LEVELS_VERSION
 
+T = TypeVar("T")
 UNWRITABLE = "unwritable user cache"  # the warning key of a failed write: one line per process, not one per file
 LOCK_TIMEOUT_S = 600.0  # longest wait for another process building the same entry before building it anyway
 STALE_BUILD_S = 6 * 3600.0  # a build folder `<entry>.tmp<pid>-...` this old is a dead run's even if its pid was reused
@@ -72,13 +74,17 @@ def entry_path(kind: str, key: dict) -> Path:
     return cache_root() / kind / f"{slug}-{key['dtype']}-{digest(key)}.json"
 
 
+def machine_key(machine: dict) -> dict:
+    """What identifies the machine in a cache key (machine: dytc.machine.machine_info): CPU model and ISA flags, GPU,
+    torch version, threads."""
+    return {k: machine[k] for k in ("cpu", "cpu_flags", "gpu", "torch", "threads")}
+
+
 def profile_key(machine: dict, model: str, dtype: str, kernels: str = "") -> dict:
     """Everything a forward's timings depend on (machine: dytc.machine.machine_info; kernels: the engine's build,
     `Engine.build`: its dense kernels, loops and on a GPU its graphs, compiled steps and fused projections): the key
     of latency profiles, kept state and, with its own settings, levels planes."""
-    return {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "gpu": machine["gpu"],
-            "torch": machine["torch"], "threads": machine["threads"], "model": model, "dtype": dtype,
-            "kernels": kernels, "levels": LEVELS_VERSION}
+    return {**machine_key(machine), "model": model, "dtype": dtype, "kernels": kernels, "levels": LEVELS_VERSION}
 
 
 def owned(path: Path) -> bool:
@@ -271,6 +277,24 @@ def locked(path: Path) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def read_or_measure(path: Path, read: Callable[[], T | None], measure: Callable[[], dict],
+                    parse: Callable[[dict], T], notice: str) -> T:
+    """A JSON entry of the user cache measured once per machine (a latency profile, a levels plane): read() where it
+    is there and valid; else measured under the entry's lock (a process that waited finds it measured and reads it),
+    with `notice` on stderr, written (where the cache is writable) and parsed."""
+    found = read()
+    if found is not None:
+        return found
+    with locked(path):
+        found = read()  # another process may have measured it while this one waited
+        if found is None:
+            print(notice, file=sys.stderr)
+            obj = measure()
+            write_json(path, obj)
+            found = parse(obj)
+    return found
 
 
 # ------------------------------------------------------------------------------------- entry folders (loading.py)

@@ -11,14 +11,13 @@ atomically; one that cannot be read, or was measured under another key, is not u
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from dytc.latency import PROFILE_VERSION, read_predictor
 
 from .engine_view import EngineView
-from ..cache.usercache import entry_path, locked, read_json, write_json
+from ..cache.usercache import entry_path, read_json, read_or_measure
 
 
 
@@ -39,17 +38,12 @@ def autoprofile(engine: EngineView, key: dict, levels: tuple[str, ...], progress
     context window (capped by max_context) is too small for the grid: the latency is then fitted online."""
     from .profile import AUTO, fits, profile
 
-    prof = cached_profile(key)
-    if prof is not None or not fits(engine, AUTO):
-        return prof
+    if not fits(engine, AUTO):
+        return cached_profile(key)
     path = profile_path(key)
-    with locked(path):
-        prof = cached_profile(key)  # another process may have measured it while this one waited
-        if prof is None:
-            cfg = replace(AUTO, levels=levels)
-            print(f"casspec: no latency profile for {key['model']} {key['dtype']} on this machine: measuring one "
-                  f"(once, up to about {AUTO.budget_s:.0f} s; cached in {path.parent}; --no-autoprofile skips it)",
-                  file=sys.stderr)
-            prof = dict(profile(engine, cfg, progress), key=key)
-            write_json(path, prof)
-    return prof
+    return read_or_measure(path, lambda: cached_profile(key),
+                           lambda: dict(profile(engine, replace(AUTO, levels=levels), progress), key=key),
+                           lambda prof: prof,
+                           f"casspec: no latency profile for {key['model']} {key['dtype']} on this machine: measuring "
+                           f"one (once, up to about {AUTO.budget_s:.0f} s; cached in {path.parent}; --no-autoprofile "
+                           "skips it)")

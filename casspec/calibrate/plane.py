@@ -22,7 +22,6 @@ the methods keep their fixed defaults (methods.default_sources).
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +33,7 @@ from dsia.kernels import time_ms
 from dytc.sources import LOOKUPS
 
 from .engine_view import EngineView
-from ..cache.usercache import entry_path, locked, read_json, write_json
+from ..cache.usercache import entry_path, read_json, read_or_measure
 
 
 COST_MARGIN = 0.1  # a level must cost this fraction less than a more accurate one to be routed beside it: a smaller
@@ -247,19 +246,18 @@ def measure(engine: EngineView, cfg: PlaneConfig = PlaneConfig(), progress: bool
 def levels_plane(engine: EngineView, key: dict, measure_now: bool, cfg: PlaneConfig = PlaneConfig(),
                  progress: bool = True) -> Plane | None:
     """The plane of `key`: read back, else (when measure_now) measured now and cached; None otherwise."""
-    plane = cached_plane(key, cfg)
-    if plane is not None or not measure_now:
-        return plane
+    if not measure_now:
+        return cached_plane(key, cfg)
+
+    def measured() -> dict:
+        obj = dict(measure(engine, cfg, progress), key=key)
+        plane = from_json(obj, cfg)
+        # the candidates no method drafts with hold copies of the weights (bf16: half of them): free them
+        engine.levels.drop(r.name for r in plane.ranked if r.name not in plane.chosen + plane.routed)
+        return obj
+
     path = plane_path(key)
-    with locked(path):
-        plane = cached_plane(key, cfg)  # another process may have measured it while this one waited
-        if plane is None:
-            print(f"casspec: measuring the draft levels {', '.join(cfg.candidates)} on this machine to choose the "
-                  f"default ones (once, about half a minute; cached in {path.parent}; --no-autoprofile skips it)",
-                  file=sys.stderr)
-            obj = dict(measure(engine, cfg, progress), key=key)
-            write_json(path, obj)
-            plane = from_json(obj, cfg)
-            # the candidates no method drafts with hold copies of the weights (bf16: half of them): free them
-            engine.levels.drop(r.name for r in plane.ranked if r.name not in plane.chosen + plane.routed)
-    return plane
+    return read_or_measure(path, lambda: cached_plane(key, cfg), measured, lambda obj: from_json(obj, cfg),
+                           f"casspec: measuring the draft levels {', '.join(cfg.candidates)} on this machine to choose "
+                           f"the default ones (once, about half a minute; cached in {path.parent}; --no-autoprofile "
+                           "skips it)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import math
 import statistics
 import time
@@ -23,8 +24,7 @@ from dsia.kvcache import KVCache
 from dsia.model import Transformer
 from dytc.machine import machine_info
 
-from ..cache.usercache import cache_root
-from ..cache.usercache import read_json, write_json
+from ..cache.usercache import cache_root, machine_key, read_json, write_json
 
 KERNELS_FILE = "kernels.json"  # in the user cache: key -> {"names", "timings_ms", "created"}
 
@@ -37,10 +37,8 @@ def weight_shapes(model: Transformer) -> list[tuple[int, int]]:
 
 def tuning_key(model: Transformer) -> str:
     """Everything the fastest kernel depends on, as one string."""
-    m = machine_info(model.device.type)
-    return json.dumps({"cpu": m["cpu"], "flags": m["cpu_flags"], "gpu": m["gpu"], "torch": m["torch"],
-                       "threads": m["threads"], "dtype": str(model.dtype), "device": model.device.type,
-                       "shapes": weight_shapes(model), "layers": len(model.layers),
+    return json.dumps({**machine_key(machine_info(model.device.type)), "dtype": str(model.dtype),
+                       "device": model.device.type, "shapes": weight_shapes(model), "layers": len(model.layers),
                        "kernels": sorted(candidates(model.dtype, model.device))}, sort_keys=True)
 
 
@@ -57,6 +55,8 @@ def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = 
             return DenseKernels(tuple(rec["names"])), dict(rec, source="cached")
         except CasspecError:
             pass  # a kernel this version does not know: measure again
+    print(f"casspec: choosing the dense kernels for {len(model.layers)} layers of {weight_shapes(model)[0]} on this "
+          f"machine (once, a few seconds; cached in {path})", file=sys.stderr)
     *layers, head = model.dense_weights()
     timings = measure(layers, head)
     chosen = choose(timings)

@@ -137,7 +137,8 @@ def cmd_levels(args: argparse.Namespace) -> int:
     import json
 
     from .calibrate.questions import read_questions
-    from .calibrate.levels_report import format_levels, measure_levels, parse_levels
+    from .calibrate.agreement import measure_levels
+    from .tools.levels_report import format_levels, parse_levels
 
     names = parse_levels(args.levels)
     questions = read_questions(args.questions, args.limit, args.per_category)
@@ -151,12 +152,13 @@ def cmd_levels(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from .runtime.method_table import default_levels
-    from .calibrate.profile import check_out, config_for, format_profile, profile, write_profile
+    from .calibrate.latency_grid import profile
+    from .tools.profile_report import check_out, config_for, format_profile, write_profile
 
     if args.refit:
         import json
 
-        from .calibrate.profile import refit
+        from .tools.profile_report import refit
 
         try:
             prof = refit(json.loads(Path(args.out).read_text()))

@@ -3,7 +3,8 @@
     python scripts/profile_latency.py [--model M] [--dtype D] [--device cpu|cuda] [--levels a,b,...] [--quick]
         --out profiles/NAME.json [--plot]
 
-The same as `casspec profile` (see casspec/calibrate/profile.py for what is measured and dytc/latency.py for the fit).
+The same as `casspec profile` (see casspec/calibrate/latency_grid.py for what is measured and dytc/latency.py for the
+fit).
 """
 from __future__ import annotations
 

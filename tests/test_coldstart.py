@@ -108,7 +108,7 @@ def test_learned_state_is_kept_between_engines_and_a_bad_file_is_ignored(cache):
 @pytest.fixture
 def tiny_auto(monkeypatch):
     """The profile made on first use over a tiny grid, counting its measurements."""
-    from casspec.calibrate import profile as prof_mod
+    from casspec.calibrate import latency_grid as prof_mod
 
     measured = []
     real = prof_mod.profile
@@ -175,7 +175,7 @@ def test_two_processes_measure_the_profile_once(cache, tiny_auto):
 def test_profile_rounds_stop_when_the_budget_is_spent():
     from tqdm import tqdm
 
-    from casspec.calibrate.profile import ProfileConfig, _rounds
+    from casspec.calibrate.latency_grid import ProfileConfig, _rounds
 
     calls = [("target", t, False, lambda: None) for t in (1, 2, 3)]
     cfg = ProfileConfig(repeats=4, warmup=1)

@@ -93,7 +93,8 @@ def test_only_a_profile_of_this_machine_model_and_dtype_is_used(tmp_path):
 
 
 def test_profiler_quick_path_end_to_end(tiny_engine_factory, tmp_path):
-    from casspec.calibrate.profile import ProfileConfig, profile, write_profile
+    from casspec.calibrate.latency_grid import ProfileConfig, profile
+    from casspec.tools.profile_report import write_profile
 
     engine = tiny_engine_factory(max_context=96)
     cfg = ProfileConfig(tokens=(1, 2, 4, 8), contexts=(16, 64), levels=("int8", "exit1"), repeats=1, warmup=1)

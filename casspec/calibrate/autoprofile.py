@@ -36,7 +36,7 @@ def cached_profile(key: dict) -> dict | None:
 def autoprofile(engine: EngineView, key: dict, levels: tuple[str, ...], progress: bool = True) -> dict | None:
     """The cached profile of `key`, else one measured now on `engine` (and cached); None when the engine's
     context window (capped by max_context) is too small for the grid: the latency is then fitted online."""
-    from .profile import AUTO, fits, profile
+    from .latency_grid import AUTO, fits, profile
 
     if not fits(engine, AUTO):
         return cached_profile(key)

@@ -228,7 +228,7 @@ def measure(engine: EngineView, cfg: PlaneConfig = PlaneConfig(), progress: bool
     """Measure the plane on `engine` (cost ratio and agreement of each buildable candidate; the verification
     ratio); the engine's cache is left empty."""
     from .questions import Question
-    from .levels_report import measure_levels
+    from .agreement import measure_levels
 
     names = buildable(engine, cfg.candidates)
     questions = [Question(f"calibration-{i}", "calibration", [p]) for i, p in enumerate(cfg.prompts)]

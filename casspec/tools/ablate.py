@@ -39,7 +39,7 @@ from .bench import (BASELINE, SAMPLING_SEED, machine_line, make_runner, method_r
 from ..runtime.engine import Engine
 from ..runtime.method_table import MULTI_LEVEL, SINGLE_LEVEL
 from ..calibrate.questions import Answer, Question
-from ..calibrate.levels_report import measure_levels
+from ..calibrate.agreement import measure_levels
 
 README_BEGIN = "<!-- ablate:begin -->"  # the results page's section of greedy runs (docs/results.md)
 README_END = "<!-- ablate:end -->"

@@ -34,7 +34,7 @@ from .bench import method_request
 
 from ..calibrate.questions import Question
 from ..runtime.engine import Engine
-from ..calibrate.levels_report import teacher_forced
+from ..calibrate.agreement import teacher_forced
 from ..runtime.method_table import MULTI_LEVEL
 
 LIVE_METHODS = ("ar", "sd", "tree", "vc", "hc", "vc+hc", "dytc")  # run for real on every prompt; ar gives y

@@ -1,4 +1,5 @@
-"""`casspec levels`: per draft level, its cost ratio vs the target, its top-1 agreement and its extra memory.
+"""Per draft level, its cost ratio vs the target, its top-1 agreement and its extra memory (the levels plane's
+measurement, calibrate/plane.py; `casspec levels` and its report, tools/levels_report.py).
 
 - cost ratio: median wall time of the level's forward over one token at the question's full context, divided
   by the target's (same token, same context), interleaved so that machine drift hits both alike;
@@ -18,13 +19,12 @@ import torch
 from tqdm import tqdm
 
 from dsia.kernels import time_ms
-from dsia.levels import Level, LevelConfig
+from dsia.levels import Level
 from dsia.skip import SkipSwitch, contiguous_skips, skip_plan
 
 from .engine_view import EngineView
 from .questions import Question
 
-REPORT_LEVELS = ("int8", "int4", "nf4", "skip0.4", "skip0.6", "exit24", "sparse0.5", "int4+sparse0.5", "int4+vocab")
 WARMUP_PROMPT = "Write a few paragraphs about the history of printing, from woodblocks to laser printers."
 CHUNK = 8  # tokens teacher-forced per draft forward when measuring agreement
 TIMING_TOKEN = 7  # the token a cost-ratio forward runs (any id: a dense forward's time does not depend on it)
@@ -150,19 +150,3 @@ def measure_levels(engine: EngineView, questions: list[Question], names: list[st
     return out
 
 
-def format_levels(report: dict) -> str:
-    lines = [f"target forward (1 token): {report['target_ms']:.1f} ms",
-             "| level | cost ratio | agreement | extra MB | contiguous-skip agreement |",
-             "|---|---|---|---|---|"]
-    for name, r in report["levels"].items():
-        contig = f"{r['contiguous_agreement']:.3f}" if "contiguous_agreement" in r else "-"
-        lines.append(f"| {name} | {r['cost_ratio']:.3f} | {r['agreement']:.3f} | {r['extra_bytes'] / 1e6:.1f} | "
-                     f"{contig} |")
-    return "\n".join(lines)
-
-
-def parse_levels(spec: str | None) -> list[str]:
-    names = [n.strip() for n in (spec.split(",") if spec else REPORT_LEVELS) if n.strip()]
-    for n in names:
-        LevelConfig.parse(n)  # a clear error before any work
-    return names

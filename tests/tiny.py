@@ -72,10 +72,13 @@ def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = No
     from casspec.loading.checkpoints import Loaded
 
     model = tiny_model(arch, seed, **kw)
-    return Engine(Loaded(model, tiny_tokenizer(model.config.vocab_size), f"tiny-{arch}"), max_context=max_context,
-                  kernels=kernels, graphs=graphs, autoprofile=autoprofile, keep_state=keep_state,
-                  fuse_projections=fuse_projections, reuse_prefix=reuse_prefix,
-                  batch_invariant=batch_invariant, fast_layers=fast_layers)
+    engine = Engine(Loaded(model, tiny_tokenizer(model.config.vocab_size), f"tiny-{arch}"), max_context=max_context,
+                    kernels=kernels, graphs=graphs, autoprofile=autoprofile, keep_state=keep_state,
+                    fuse_projections=fuse_projections, reuse_prefix=reuse_prefix,
+                    batch_invariant=batch_invariant, fast_layers=fast_layers)
+    if autoprofile:  # (as Engine.from_pretrained does)
+        engine.measure_first_use()
+    return engine
 
 
 def chi2_p(observed: list[float], expected: list[float]) -> float:

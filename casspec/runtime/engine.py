@@ -30,6 +30,7 @@ from dytc.verify import Noise
 from .defaults import BOTTOM, LEVEL, MAX_NEW_TOKENS, METHOD
 from .detok import TextStream
 from ..calibrate.first_use import Calibration, calibrate
+from ..calibrate.plane import Plane
 from ..loading.levelstore import LevelStore
 from ..loading.checkpoints import Loaded, load
 from .method_table import default_levels
@@ -53,9 +54,10 @@ class Engine:
     def __init__(self, loaded: Loaded, options: EngineOptions | None = None, calibration: Calibration | None = None,
                  **overrides: object) -> None:
         """A runtime over a loaded checkpoint, built as `options` say (target.EngineOptions; its fields may also be
-        given as keywords: Engine(loaded, kernels="blas", autoprofile=False)). `calibration`: what this machine
-        measured for the checkpoint (calibrate/first_use.py); None: read back from the user cache, and with
-        options.autoprofile what is not there yet (the levels plane, a latency profile) measured now, once."""
+        given as keywords: Engine(loaded, kernels="blas", keep_state=False)). `calibration`: what this machine
+        measured for the checkpoint (calibrate/first_use.py: the levels plane, the latency model); None: what the
+        user cache holds already. Nothing is measured here: `from_pretrained` (and so the CLI) measures what is
+        missing on first use, with options.autoprofile (`measure_first_use`)."""
         opts = _options(options, overrides)
         t0 = time.perf_counter()
         self.hf_model = loaded.model
@@ -69,17 +71,8 @@ class Engine:
         store = LevelStore(loaded.store_dir / "levels", self.dtype, self.device) if loaded.store_dir else None
         self.levels = LevelRegistry(self.model, store=store)  # draft levels, built on first use and reused
         self.setup = {"kernels": time.perf_counter() - t0}  # seconds of set-up by phase, until a generation reports
-        cal = calibration or calibrate(self, opts.autoprofile, lambda plane: default_levels(self.device.type, plane))
-        self.plane, self.latency, self.latency_source = cal.plane, cal.latency, cal.latency_source
-        self.setup.update(cal.seconds)
-        self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, self.build)
-                      if opts.keep_state else None)
-        self._state_origin = self.latency_source  # the latency model the kept state grew from
-        learned, trackers = self.state.load(self._state_origin) if self.state else (None, {})
-        if learned is not None:
-            self.latency, self.latency_source = learned, self.latency_source + ", refined by earlier runs"
-        # what the methods' policies draw on
-        self.drafters = Drafters(self.levels, trackers, self.device.type, self.plane)
+        self._keep_state = opts.keep_state
+        self.use_calibration(calibration or calibrate(self, False, self._levels_for))
         self._lock = threading.Lock()  # held by the generation that runs (see the module's docstring)
         self._owner: int | None = None  # the thread that holds it
         self._local = threading.local()  # per thread: the Result of its latest generation
@@ -98,8 +91,32 @@ class Engine:
         loaded = load(model, dtype, device, hf)
         load_s = time.perf_counter() - t0
         engine = cls(loaded, opts)
+        if opts.autoprofile:
+            engine.measure_first_use()
         engine.setup = {"load": load_s, **engine.setup}
         return engine
+
+    def measure_first_use(self) -> None:
+        """Measure what this machine has not measured yet for the checkpoint (the levels plane, a latency profile:
+        about a minute, once, kept in the user cache) and use it (`use_calibration`)."""
+        self.use_calibration(calibrate(self, True, self._levels_for))
+
+    def use_calibration(self, cal: Calibration) -> None:
+        """Take a calibration: the levels plane chooses the multi-level methods' default sources, the latency model
+        is the router's; the state earlier processes kept for that latency model is read back."""
+        self.plane, self.latency, self.latency_source = cal.plane, cal.latency, cal.latency_source
+        self.setup.update(cal.seconds)
+        self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, self.build)
+                      if self._keep_state else None)
+        self._state_origin = self.latency_source  # the latency model the kept state grew from
+        learned, trackers = self.state.load(self._state_origin) if self.state else (None, {})
+        if learned is not None:
+            self.latency, self.latency_source = learned, self.latency_source + ", refined by earlier runs"
+        self.drafters = Drafters(self.levels, trackers, self.device.type, self.plane)  # what the policies draw on
+
+    def _levels_for(self, plane: Plane | None) -> tuple[str, ...]:
+        """The draft levels a latency profile measures besides the target: those the default methods route."""
+        return default_levels(self.device.type, plane)
 
     @property
     def last_result(self) -> Result | None:

@@ -31,8 +31,8 @@ class EngineOptions:
     graphs: bool | None = None  # replay small forwards from CUDA graphs (None: on a GPU; without CUDA, True runs
     # the graphs' static-shape forward eagerly, as the tests do)
     compile_pointwise: bool | None = None  # one compiled kernel per elementwise step (None: on a GPU)
-    autoprofile: bool = True  # measure a latency profile (about a minute, once per machine, model and dtype; user
-    # cache) and the levels plane when none matches
+    autoprofile: bool = True  # Engine.from_pretrained (and the CLI): measure the levels plane and a latency profile
+    # when none matches (about a minute, once per machine, model and dtype; user cache)
     keep_state: bool = True  # read the acceptance and latency state earlier processes learned, keep this one's
     fuse_projections: bool | None = None  # q|k|v and gate|up as one product each (None: on a GPU, where the wider
     # products come closer to the memory's bandwidth)

@@ -56,8 +56,10 @@ class Engine:
         """A runtime over a loaded checkpoint, built as `options` say (target.EngineOptions; its fields may also be
         given as keywords: Engine(loaded, kernels="blas", keep_state=False)). `calibration`: what this machine
         measured for the checkpoint (calibrate/first_use.py: the levels plane, the latency model); None: what the
-        user cache holds already. Nothing is measured here: `from_pretrained` (and so the CLI) measures what is
-        missing on first use, with options.autoprofile (`measure_first_use`)."""
+        user cache holds already. Besides the dense kernels' choice where options.kernels is "auto" (part of building
+        the target: measured once per machine and cached, calibrate/tune.py), nothing is measured here:
+        `from_pretrained` (and so the CLI) measures what is missing on first use, with options.autoprofile
+        (`measure_first_use`)."""
         opts = _options(options, overrides)
         t0 = time.perf_counter()
         self.hf_model = loaded.model

@@ -40,6 +40,15 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def resident_bytes() -> int:
+    """The process's resident memory now (/proc/self/statm: pages in RAM; 0 where it is not readable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def machine_info(device: str = "cpu") -> dict:
     """What identifies the machine a measurement was made on (for profiles, cpu and gpu are the matching keys;
     cpu_flags names the ISA extensions that decide which kernels are fast)."""

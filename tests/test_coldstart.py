@@ -191,6 +191,8 @@ def test_stats_separate_setup_from_generation(cache):
     later = e.generate_ids(PROMPT, Request(max_new_tokens=8, method="dytc")).stats
     assert set(later.setup) == {"levels"}  # the engine's set-up is reported once; the levels were built
     assert later.setup_summary().startswith("setup ") and "levels" in later.setup_summary()
+    if os.path.exists("/proc/self/statm"):  # (Linux) the process's resident memory, with the weights in it
+        assert later.resident_mb * 2**20 > e.model.weight_bytes() and "resident memory" in later.setup_summary()
 
 
 def test_cli_one_shot_calls_measure_once_and_reuse_what_they_built(cache, tiny_auto, tmp_path, capsys):

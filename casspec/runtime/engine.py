@@ -22,7 +22,7 @@ import torch
 from dsia.errors import CasspecError
 from dsia.gcpause import paused_gc
 from dsia.levels import LevelRegistry
-from dytc.machine import machine_info
+from dytc.machine import machine_info, resident_bytes
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams
 from dytc.verify import Noise
@@ -259,6 +259,7 @@ class Engine:
             if wrap is not None:
                 policy = wrap(policy)
             stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
+            stats.resident_mb = resident_bytes() / 2**20
             out: list[int] = []
             text = TextStream(self.decode, req.stop)
             t0 = time.perf_counter()

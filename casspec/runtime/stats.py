@@ -39,6 +39,8 @@ class Stats:
     policy: dict = field(default_factory=dict)  # the drafting policy's own report (dytc: levels, fallbacks, ...)
     setup: dict[str, float] = field(default_factory=dict)  # seconds before generating, by phase: load, kernels,
     # profile (the engine's, reported by its first generation) and levels (built or read back for this one)
+    resident_mb: float = 0.0  # the process's resident memory as the generation started (weights, the levels built,
+    # caches; 0 where the system does not say)
 
     @contextmanager
     def timer(self, phase: str) -> Iterator[None]:
@@ -104,7 +106,8 @@ class Stats:
     def setup_summary(self) -> str:
         """One line: the set-up time before this generation, by phase (not counted in its tokens/s)."""
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.setup.items())
-        return f"setup {sum(self.setup.values()):.2f}s ({phases}), not counted in the generation's speed"
+        memory = f"; resident memory {self.resident_mb:.0f} MB" if self.resident_mb > 0 else ""
+        return f"setup {sum(self.setup.values()):.2f}s ({phases}), not counted in the generation's speed{memory}"
 
     def summary(self) -> str:
         return (f"[{self.method}] {self.new_tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_s:.1f} tok/s); "

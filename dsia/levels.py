@@ -178,8 +178,7 @@ class LevelRegistry:
 
     def drop(self, names: Iterable[str]) -> None:
         """Forget these levels and what only they held (a quantized copy no remaining level shares), so that its
-        memory is freed; a later `get` builds them again (or reads them back from the store)."""
+        memory is freed and its stored copy removed; a later `get` builds them again."""
         for name in names:
             self.levels.pop(LevelConfig.parse(name, self.strategies).name, None)
-        kept = {id(o) for lv in self.levels.values() for o in lv.holds}
-        self.resources.built = {k: o for k, o in self.resources.built.items() if id(o) in kept}
+        self.resources.keep_only({id(o) for lv in self.levels.values() for o in lv.holds})

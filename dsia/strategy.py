@@ -45,6 +45,10 @@ class Store(Protocol):
         """The stored resource of `codec.name`, or `build()`'s result, stored for the next process."""
         ...
 
+    def discard(self, codec: Codec) -> None:
+        """Remove the stored resource of `codec.name` (no level uses it: its bytes are not kept)."""
+        ...
+
 
 class Resources:
     """What levels share, built once per model (e.g. one quantized copy per kind serves every level mixing it)."""
@@ -53,6 +57,7 @@ class Resources:
         self.model = model
         self.store = store  # None: everything is built in memory, every process
         self.built: dict[Hashable, object] = {}  # key -> the object its builder returned
+        self.codecs: dict[Hashable, Codec] = {}  # key -> the codec it was stored with (stored resources only)
 
     def get(self, key: Hashable, build: Callable[[Transformer], T], codec: Codec[T] | None = None) -> T:
         """The object under `key`, built by `build(model)` on first use; with a codec and a store, built once
@@ -60,9 +65,18 @@ class Resources:
         if key not in self.built:
             if codec is not None and self.store is not None:
                 self.built[key] = self.store.fetch(codec, lambda: build(self.model))
+                self.codecs[key] = codec
             else:
                 self.built[key] = build(self.model)
         return self.built[key]  # type: ignore[return-value]
+
+    def keep_only(self, objects: set[int]) -> None:
+        """Forget every built object whose id is not in `objects`, and remove its stored copy."""
+        for key in [k for k, o in self.built.items() if id(o) not in objects]:
+            del self.built[key]
+            codec = self.codecs.pop(key, None)
+            if codec is not None and self.store is not None:
+                self.store.discard(codec)
 
 
 class Switch:

@@ -278,3 +278,19 @@ def test_the_library_builds_with_the_ninja_installed_beside_this_python(tmp_path
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     with own_ninja_first():
         assert os.environ["PATH"] == "/usr/bin:/bin"
+
+
+def test_dropped_levels_leave_no_stored_copy_behind(tmp_path):
+    """A level dropped (the levels plane drops the candidates no method drafts with) takes its stored copy with it
+    where no remaining level shares it: int8's file goes, int4's stays (int4+vocab still runs it)."""
+    model, tok = tiny_model(), tiny_tokenizer()
+    e = Engine(Loaded(model, tok, "tiny-llama", tmp_path), kernels="blas", autoprofile=False, keep_state=False)
+    for name in ("int4", "int4+vocab", "int8"):
+        e.generate_ids(PROMPT, Request(max_new_tokens=6, method="sd", level=name))
+    files = lambda: sorted(p.name.split("-")[1] for p in (tmp_path / "levels").glob("*.safetensors"))  # noqa: E731
+    assert files() == ["int4", "int8"]
+    e.levels.drop(["int8", "int4"])  # int4+vocab still holds the int4 copy
+    left = [p.name for p in (tmp_path / "levels").glob("quant-int8-*") if not p.name.endswith(".lock")]
+    assert files() == ["int4"] and left == []  # (its checksum too; an empty lock file may stay)
+    assert e.generate_ids(PROMPT, Request(max_new_tokens=6, method="sd", level="int8")).token_ids == \
+        e.generate_ids(PROMPT, Request(max_new_tokens=6, method="ar")).token_ids  # (built again where asked)

@@ -23,7 +23,7 @@ from safetensors.torch import save
 
 from dsia.strategy import Codec
 
-from ..cache.usercache import digest, locked, parse_json, read_verified, write_verified
+from ..cache.usercache import SUM_SUFFIX, digest, locked, parse_json, read_verified, remove, write_verified
 from .weights import parse_safetensors
 
 T = TypeVar("T")
@@ -51,6 +51,14 @@ class LevelStore:
                 tensors, layout = codec.encode(obj)
                 write_verified(path, save(tensors, metadata={"layout": json.dumps(layout)}))
         return obj
+
+
+    def discard(self, codec: Codec) -> None:
+        """Remove the stored copy of `codec` and its checksum (no chosen level uses it)."""
+        path = self.path(codec)
+        with locked(path):
+            for p in (path, path.with_name(path.name + SUM_SUFFIX)):
+                remove(p)
 
 
 def _read(path: Path, codec: Codec[T]) -> T | None:

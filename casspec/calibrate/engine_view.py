@@ -12,6 +12,11 @@ from dsia.levels import LevelRegistry
 from dsia.model import Transformer
 
 
+def dtype_name(engine: EngineView) -> str:
+    """The engine's dtype as keys and reports name it: "float32", "bfloat16"."""
+    return str(engine.dtype).removeprefix("torch.")
+
+
 class EngineView(Protocol):
     name: str  # the checkpoint's name
     build: str  # what its forwards' time depends on besides machine, model and dtype (kernels, loops)

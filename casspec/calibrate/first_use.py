@@ -14,7 +14,7 @@ from dytc.machine import machine_info
 
 from ..cache.usercache import profile_key, read_json
 from .autoprofile import autoprofile, cached_profile
-from .engine_view import EngineView
+from .engine_view import EngineView, dtype_name
 from .plane import MIN_CONTEXT, Plane, PlaneConfig, cpu_candidates, levels_plane, plane_key
 
 
@@ -31,36 +31,32 @@ def calibrate(engine: EngineView, measure: bool,
     """The engine's calibration: read back, else measured now where `measure`. levels_for(plane): the draft levels a
     latency profile measures besides the target (those the default methods route under that plane)."""
     t0 = time.perf_counter()
-    plane = _levels_plane(engine, measure)  # (before the profile: it chooses the levels profiled)
+    key = profile_key(machine_info(engine.device.type), engine.name, dtype_name(engine), engine.build)
+    plane = _levels_plane(engine, key, measure)  # (before the profile: it chooses the levels profiled)
     t1 = time.perf_counter()
-    latency, source = _latency_model(engine, measure, levels_for(plane))
+    latency, source = _latency_model(engine, key, measure, levels_for(plane))
     return Calibration(plane, latency, source, {"plane": t1 - t0, "profile": time.perf_counter() - t1})
 
 
-def _key(engine: EngineView, machine: dict) -> dict:
-    return profile_key(machine, engine.name, str(engine.dtype).removeprefix("torch."), engine.build)
-
-
-def _levels_plane(engine: EngineView, measure: bool) -> Plane | None:
+def _levels_plane(engine: EngineView, key: dict, measure: bool) -> Plane | None:
     """The draft levels measured on this machine that choose the multi-level methods' default sources (plane.py):
     read back, else measured now when `measure`; None on a GPU (issue 18's measured default), without a tokenizer,
-    or when the context window is too small to measure in."""
+    or when the context window is too small to measure in. key: the engine's machine-and-build key."""
     if engine.device.type != "cpu" or engine.tokenizer is None or engine.cache.capacity < MIN_CONTEXT:
         return None
     cfg = PlaneConfig(candidates=cpu_candidates())
-    return levels_plane(engine, plane_key(_key(engine, machine_info("cpu")), cfg), measure, cfg)
+    return levels_plane(engine, plane_key(key, cfg), measure, cfg)
 
 
-def _latency_model(engine: EngineView, measure: bool, levels: tuple[str, ...]) -> tuple[LatencyModel, str]:
+def _latency_model(engine: EngineView, key: dict, measure: bool,
+                   levels: tuple[str, ...]) -> tuple[LatencyModel, str]:
     """The predictor of the profile measured on this machine for this model and dtype (the repo's, else the one made
     on first use, measured now where `measure`); without one, an empty model that learns online from the engine's own
     timings."""
-    machine = machine_info(engine.device.type)
-    path = select_profile(machine, engine.name, str(engine.dtype).removeprefix("torch."), engine.build)
+    path = select_profile(machine_info(engine.device.type), engine.name, dtype_name(engine), engine.build)
     latency = read_predictor(read_json(path)) if path is not None else None
     if latency is not None:
         return latency, f"profile {path.name}"
-    key = _key(engine, machine)
     prof = autoprofile(engine, key, levels) if measure else cached_profile(key)
     latency = read_predictor(prof) if prof is not None else None
     if latency is not None:

@@ -29,7 +29,7 @@ from dytc.latency import (PROFILE_VERSION, TARGET_LEVEL, FeatureSpec, LatencyMod
 from dytc.machine import machine_info
 from dytc.tree import ancestor_mask, position_ids
 
-from .engine_view import EngineView
+from .engine_view import EngineView, dtype_name
 
 
 PROFILE_LEVELS = ("int8", "int4", "int4+vocab", "skip0.4", "sparse0.5")  # dytc's default levels and one per strategy
@@ -183,7 +183,7 @@ def profile(engine: EngineView, cfg: ProfileConfig = ProfileConfig(), progress: 
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(str(device)),
         "model": engine.name,
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "dtype": dtype_name(engine),
         "device": device.type,
         "kernels": engine.build,  # the target's dense kernels (and on a GPU, graphs etc.) its timings are of
         "config": asdict(cfg),

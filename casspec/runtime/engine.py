@@ -29,6 +29,7 @@ from dytc.verify import Noise
 
 from .defaults import BOTTOM, LEVEL, MAX_NEW_TOKENS, METHOD
 from .detok import TextStream
+from ..calibrate.engine_view import dtype_name
 from ..calibrate.first_use import Calibration, calibrate
 from ..calibrate.plane import Plane
 from ..loading.levelstore import LevelStore
@@ -108,7 +109,7 @@ class Engine:
         is the router's; the state earlier processes kept for that latency model is read back."""
         self.plane, self.latency, self.latency_source = cal.plane, cal.latency, cal.latency_source
         self.setup.update(cal.seconds)
-        self.state = (StateFile.of(machine_info(self.device.type), self.name, self._dtype_name, self.build)
+        self.state = (StateFile.of(machine_info(self.device.type), self.name, dtype_name(self), self.build)
                       if self._keep_state else None)
         self._state_origin = self.latency_source  # the latency model the kept state grew from
         learned, trackers = self.state.load(self._state_origin) if self.state else (None, {})
@@ -132,10 +133,6 @@ class Engine:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
-
-    @property
-    def _dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
 
     def _eos_ids(self, generation_eos: tuple[int, ...]) -> frozenset[int]:
         ids: set[int] = set(generation_eos)  # generation_config's, where no HF model carries it

@@ -36,6 +36,7 @@ from dytc.sources import BOTTOMS, DEFAULT_BOTTOM, LOOKUPS
 
 from .bench import (BASELINE, SAMPLING_SEED, machine_line, make_runner, method_request, run_question, summarize,
                     writable_folder)
+from ..calibrate.engine_view import dtype_name
 from ..runtime.engine import Engine
 from ..runtime.method_table import MULTI_LEVEL, SINGLE_LEVEL
 from ..calibrate.questions import Answer, Question
@@ -108,7 +109,7 @@ def row_memory_bytes(engine: Engine, row: str) -> int:
 def _row_key(engine: Engine, questions: list[Question], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), seed: int = SAMPLING_SEED) -> dict:
     """What a finished row was measured with: a row file is reused only when all of it matches."""
-    return {"model": engine.name, "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+    return {"model": engine.name, "dtype": dtype_name(engine), "device": str(engine.device),
             "max_new_tokens": max_new_tokens, "questions": [q.question_id for q in questions],
             "sampling": vars(sampling), "seed": None if sampling.greedy else seed}
 

@@ -97,8 +97,8 @@ def coupled_top(logits: Tensor, params: SamplingParams, noise: Noise, positions:
     perturbed (casspec's op, csrc/coupled.cpp, where its library is built: one call for every row; elsewhere ATen's
     small ops); the other rows (a top-k wider than the candidates, or a wider nucleus: a sampled token often lies
     further down there) are warped whole, and with temperature alone the logits / T are perturbed whole (log q up
-    to a constant per row). The target's own token is drawn with `warp` (dytc.verify); a draft only has to match
-    it, and does wherever the two perturbed argmaxes agree."""
+    to a constant per row). A draft matches the target's own token (this function with k = 1 on the target's
+    logits) wherever the two perturbed argmaxes agree."""
     T, V = logits.shape
     m = min(candidates, V)
     whole = params.top_k == 0 and params.top_p == 1.0  # temperature alone: every token in the support

@@ -1,20 +1,74 @@
-"""GGUF block-quantized products as stored (csrc/blockq.cpp, `torch.ops.casspec.block_linear`): a weight in blocks of
-32 with a scale d per block (and an offset m for Q4_1), 4-bit or 8-bit codes, times activations quantized per row and
-block to 8 bits, as llama.cpp multiplies them. The weights are read once for all the rows of a call, so a tree's
+"""GGUF block-quantized products as stored (csrc/blockq.cpp, `torch.ops.casspec.block_linear`): a weight in the
+blocks a GGUF file stores (every type from Q2_K to Q8_0: `FORMATS`), times activations quantized per row and block of
+32 to 8 bits, as llama.cpp multiplies them. The weights are read once for all the rows of a call, so a tree's
 verification costs a few one-token steps, not one per token (torch's packed int4 kernel cost 5x one token's over 16);
 each row's result is the same bits whatever the rows beside it, on every machine (the module's C++ says why).
 `q4_1_blocks` / `q8_0_blocks` put a float weight in those blocks (the int4 / int8 draft levels, dsia/quant.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import Tensor
 
-WEIGHTS_PER_BLOCK = 32  # weights per block in Q4_0, Q4_1, Q8_0 (GGUF's, and the kernel's)
+WEIGHTS_PER_BLOCK = 32  # weights per block (the kernel's, and GGUF's 32-blocks; a K-quant's super-block is 8 of them)
 TILE = 16  # outputs per tile (the kernel's float lanes)
-LAYOUT = 2  # bumped when BlockLinear's tensors change (stored level copies are then built again; 2: float16 scales)
+LAYOUT = 3  # bumped when BlockLinear's tensors change (stored level copies are then built again; 3: block formats)
 GROUPS = WEIGHTS_PER_BLOCK // 4  # groups of 4 inputs per block
 HALF_TINY = 2.0 ** -24  # the smallest scale a weight's blocks get (float16's smallest subnormal)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How the kernel reads a weight's blocks (csrc/ops.h BlockFormat): each weight an unsigned code u of base +
+    planes bits, and per output w = D a (u + offset) + Dm b, with a, b integers per sub-block and D, Dm float16 per
+    super-block."""
+    base: int  # the codes' low bits: 4 (a nibble each), 8 (a byte each) or 0 (bit planes alone)
+    planes: int = 0  # bit planes above them (0..3)
+    scaled: bool = False  # an int8 multiplier a per output and sub-block (else a = 1)
+    halves: bool = False  # sub-blocks of 16 inputs (else of 32)
+    mins: int = 0  # 0: no Dm term; 1: b = 1 (Dm the block's offset, Q4_1 / Q5_1); 2: an int8 b per sub-block
+    super: int = 1  # blocks of 32 per super-block (D, Dm): 1, or 8 (a K-quant's 256)
+    offset: int = 0  # added to every code (0 down to -128)
+
+    @property
+    def code(self) -> int:
+        """The format as the op takes it (base | planes << 4 | scaled << 6 | halves << 7 | mins << 8 | log2(super)
+        << 10 | -offset << 16)."""
+        return (self.base | self.planes << 4 | int(self.scaled) << 6 | int(self.halves) << 7 | self.mins << 8
+                | (self.super.bit_length() - 1) << 10 | -self.offset << 16)
+
+    @property
+    def bits(self) -> int:
+        return self.base + self.planes
+
+    @property
+    def record(self) -> int:
+        """Bytes per tile of 16 outputs and block (the base plane, the bit planes, a, b)."""
+        subs = 2 if self.halves else 1
+        return 64 * (self.base + self.planes) + 16 * subs * (int(self.scaled) + int(self.mins == 2))
+
+    @property
+    def subblock(self) -> int:
+        """Inputs per sub-block (a and b)."""
+        return 16 if self.halves else 32
+
+
+# GGUF's block types as the kernel reads them (casspec/loading/ggufcodes.py decodes a file's blocks into these)
+FORMATS = {
+    "Q4_0": BlockFormat(4, offset=-8),
+    "Q4_1": BlockFormat(4, mins=1),
+    "Q5_0": BlockFormat(4, 1, offset=-16),
+    "Q5_1": BlockFormat(4, 1, mins=1),
+    "Q8_0": BlockFormat(8, offset=-128),  # (u = q + 128)
+    "Q2_K": BlockFormat(0, 2, scaled=True, halves=True, mins=2, super=8),
+    "Q3_K": BlockFormat(0, 3, scaled=True, halves=True, super=8, offset=-4),
+    "Q4_K": BlockFormat(4, scaled=True, mins=2, super=8),
+    "Q5_K": BlockFormat(4, 1, scaled=True, mins=2, super=8),
+    "Q6_K": BlockFormat(4, 2, scaled=True, halves=True, super=8, offset=-32),
+}
 
 
 def exact_in_half(t: Tensor) -> bool:
@@ -23,39 +77,67 @@ def exact_in_half(t: Tensor) -> bool:
     return bool(torch.isfinite(h).all() and torch.equal(h.float(), t.float()))
 
 
+def _per_tile(t: Tensor, tiles: int) -> Tensor:
+    """[out, n] -> [tiles, n, 16] (outputs past the last: zeros)."""
+    out, n = t.shape
+    t = torch.cat((t, t.new_zeros(tiles * TILE - out, n)))
+    return t.reshape(tiles, TILE, n).transpose(1, 2)
+
+
 class BlockLinear:
-    """w[o, 32b + j] = d[o, b] * q[o, 32b + j] + m[o, b] (Q4_1; Q4_0 is m = -8 d over codes in [0, 15], Q8_0 m = 0
-    over codes in [-128, 127]). x [T, in] -> y [T, out] in x's dtype (computed from float32; no bias).
+    """w[o, i] = D[o, s] a[o, j] (u[o, i] + offset) + Dm[o, s] b[o, j] (s: i's super-block, j: its sub-block; a = 1
+    where the format is not scaled, b = 1 where its mins are 1). x [T, in] -> y [T, out] in x's dtype (computed from
+    float32; no bias).
 
-    Laid out for the kernel: per tile of 16 outputs and block, 8 groups of 4 inputs, each group's 4 codes of the 16
-    outputs side by side (8-bit: code + 128, a byte each; 4-bit: group g in the low nibbles, g + 4 in the high ones,
-    as compact as the file's blocks); d and m per tile and block, 16 each, in float16 as GGUF stores them (d and m
-    must be float16 values: `exact_in_half`)."""
+    Laid out for the kernel, per tile of 16 outputs and block of 32 inputs, one record: the base plane (8 groups of 4
+    inputs, each group's 4 codes of the 16 outputs side by side; nibbles: group g low, g + 4 high, as compact as the
+    file's blocks), each bit plane (per group a 64-bit mask, bit 4 lane + j), then a and b per sub-block [16] int8;
+    D and Dm per tile and super-block [16] float16, as GGUF stores them (they must be float16 values)."""
 
-    def __init__(self, q: Tensor, d: Tensor, m: Tensor | None, bits: int, kind: str = "block") -> None:
-        out, n_in = q.shape
-        assert bits in (4, 8) and n_in % WEIGHTS_PER_BLOCK == 0, (q.shape, bits)
-        assert d.shape == (out, n_in // WEIGHTS_PER_BLOCK), (q.shape, d.shape)
+    def __init__(self, u: Tensor, fmt: BlockFormat, D: Tensor, Dm: Tensor | None = None, a: Tensor | None = None,
+                 b: Tensor | None = None, kind: str = "block") -> None:
+        out, n_in = u.shape
         nb, tiles = n_in // WEIGHTS_PER_BLOCK, -(-out // TILE)
-        pad = tiles * TILE - out  # outputs past the last: zero codes and scales
-        u = (q.to(torch.int16) + 128).to(torch.uint8) if bits == 8 else q.to(torch.uint8)  # a byte per code
-        g = torch.cat((u, torch.full((pad, n_in), 128 if bits == 8 else 0, dtype=torch.uint8)))  # (pad: code 0)
+        assert n_in % (WEIGHTS_PER_BLOCK * fmt.super) == 0 and D.shape == (out, nb // fmt.super), (u.shape, D.shape)
+        assert (Dm is not None) == (fmt.mins != 0) and (a is not None) == fmt.scaled and (b is not None) == (
+            fmt.mins == 2), fmt
+        assert int(u.min()) >= 0 and int(u.max()) < 1 << fmt.bits, "codes outside the format's bits"
+        g = _per_tile(u.to(torch.uint8), tiles).transpose(1, 2)  # [tiles, 16, in]
         g = g.reshape(tiles, TILE, nb, GROUPS, 4).permute(0, 2, 3, 1, 4)  # [tiles, blocks, groups, 16, 4]
-        if bits == 8:
-            self.codes = g.contiguous()
-        else:
-            self.codes = (g[:, :, :GROUPS // 2] | (g[:, :, GROUPS // 2:] << 4)).contiguous()
-        assert exact_in_half(d) and (m is None or exact_in_half(m)), "block scales must be float16 values"
-        per_tile = [torch.cat((s.float(), torch.zeros(pad, nb))).reshape(tiles, TILE, nb).transpose(1, 2)
-                    for s in [d] + ([] if m is None else [m])]
-        self.scales = torch.stack(per_tile).half().contiguous()  # [1 or 2, tiles, blocks, 16]: d, then m
+        parts = []
+        if fmt.base == 8:
+            parts.append(g.reshape(tiles, nb, -1))
+        elif fmt.base == 4:
+            low = g & 15
+            parts.append((low[:, :, :GROUPS // 2] | (low[:, :, GROUPS // 2:] << 4)).reshape(tiles, nb, -1))
+        for p in range(fmt.planes):
+            bits = ((g >> (fmt.base + p)) & 1).reshape(tiles, nb, GROUPS, 64).numpy()
+            parts.append(torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little")).reshape(tiles, nb, -1))
+        per = WEIGHTS_PER_BLOCK // fmt.subblock
+        for t in [a] if fmt.scaled else []:
+            parts.append(self._per_block(t, tiles, nb, per))
+        for t in [b] if fmt.mins == 2 else []:
+            parts.append(self._per_block(t, tiles, nb, per))
+        self.codes = torch.cat(parts, dim=-1).contiguous()  # [tiles, blocks, record]
+        assert self.codes.shape[-1] == fmt.record, (self.codes.shape, fmt)
+        assert exact_in_half(D) and (Dm is None or exact_in_half(Dm)), "block scales must be float16 values"
+        self.scales = torch.stack([_per_tile(s.float(), tiles) for s in [D] + ([] if Dm is None else [Dm])]
+                                  ).half().contiguous()  # [1 or 2, tiles, super-blocks, 16]: D, then Dm
         self.out_features = out
-        self.bits = bits
+        self.format = fmt.code
         self.kind = kind  # what it stands for: "block" (a GGUF tensor as stored) or a level's quantization kind
         self.act_dtype = torch.float32
 
+    @staticmethod
+    def _per_block(t: Tensor, tiles: int, nb: int, per: int) -> Tensor:
+        """a or b [out, blocks * per] -> bytes [tiles, blocks, per * 16] (sub-block j's 16 outputs together)."""
+        assert int(t.min()) >= -128 and int(t.max()) <= 127, "multipliers and mins are int8"
+        v = _per_tile(t.to(torch.int8), tiles)  # [tiles, blocks * per, 16]
+        return v.reshape(tiles, nb, per * TILE).view(torch.uint8)
+
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.casspec.block_linear(x.float(), self.codes, self.scales, self.out_features).to(x.dtype)
+        return torch.ops.casspec.block_linear(x.float(), self.codes, self.scales, self.out_features,
+                                              self.format).to(x.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +152,7 @@ def q4_1_blocks(w: Tensor, kind: str = "int4") -> BlockLinear:
     lo = g.amin(dim=2).half().float()  # [out, blocks], float16 values (the kernel's scales)
     d = ((g.amax(dim=2) - lo) / 15).clamp(min=HALF_TINY).half().float()
     q = ((g - lo[..., None]) / d[..., None]).round().clamp(0, 15)  # [out, blocks, 32]
-    return BlockLinear(q.reshape(out, n_in), d, lo, 4, kind)
+    return BlockLinear(q.reshape(out, n_in), FORMATS["Q4_1"], d, lo, kind=kind)
 
 
 def q8_0_blocks(w: Tensor, kind: str = "int8") -> BlockLinear:
@@ -80,4 +162,4 @@ def q8_0_blocks(w: Tensor, kind: str = "int8") -> BlockLinear:
     g = w.detach().float().reshape(out, n_in // WEIGHTS_PER_BLOCK, WEIGHTS_PER_BLOCK)  # [out, blocks, 32]
     d = (g.abs().amax(dim=2) / 127).clamp(min=HALF_TINY).half().float()  # [out, blocks], float16 values
     q = (g / d[..., None]).round().clamp(-127, 127)
-    return BlockLinear(q.reshape(out, n_in), d, None, 8, kind)
+    return BlockLinear(q.reshape(out, n_in) + 128, FORMATS["Q8_0"], d, kind=kind)

@@ -67,7 +67,7 @@ class Slot:
     aux: Tensor  # packed: scales and zeros (blocks: scales); dense: MKL's packed copy where MKL may run it
     bias: Tensor  # [out], or empty
     group_size: int = 0  # packed; blocks: the outputs
-    doubled: int = 0  # packed: 1 where the kernel takes [x, x] (Int8GroupLinear)
+    doubled: int = 0  # packed: 1 where the kernel takes [x, x] (Int8GroupLinear); blocks: the block format's code
     act_dtype: torch.dtype | None = None  # packed: the activations' dtype
     panels: Tensor = EMPTY  # dense: casspec's panels of the weight where casspec's kernel may run it
 
@@ -111,7 +111,8 @@ def _packed_slot(kernel: object, bias: Tensor | None) -> Slot:
     if isinstance(kernel, FusedLinear):
         kernel = kernel.kernel
     if isinstance(kernel, BlockLinear):
-        return Slot(BLOCKS, kernel.codes, kernel.scales, EMPTY if bias is None else bias, kernel.out_features)
+        return Slot(BLOCKS, kernel.codes, kernel.scales, EMPTY if bias is None else bias, kernel.out_features,
+                    kernel.format)
     if not isinstance(kernel, (Int4Linear, Int8GroupLinear)):
         raise Unsupported(type(kernel).__name__)
     return Slot(PACKED, kernel.packed, kernel.scales_and_zeros, EMPTY if bias is None else bias, kernel.group_size,

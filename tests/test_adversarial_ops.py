@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsia.blockq import FORMATS
 from dsia.cxx import build_error
 from test_ops import sdpa_rows
 
@@ -161,50 +162,63 @@ def test_attention_any_shapes_give_sdpa_or_an_error(H, Hkv, T, S, hd, end, mask,
 
 
 # ---------------------------------------------------------------------------------------------------- blocks
-def block_args(T=2, tiles=2, blocks=3, four=True, offsets=True, n=None):
-    codes = torch.randint(0, 256, (tiles, blocks, 4 if four else 8, 16, 4), dtype=torch.uint8)
-    scales = torch.rand(2 if offsets else 1, tiles, blocks, 16).half()
+Q4_1 = FORMATS["Q4_1"].code  # 4-bit codes, offsets (two scale planes)
+Q6_K = FORMATS["Q6_K"].code  # nibbles, two bit planes, multipliers per half block, super-blocks of 8
+
+
+def block_args(T=2, tiles=2, blocks=3, fmt=FORMATS["Q4_1"], n=None):
+    record = fmt.record
+    codes = torch.randint(0, 256, (tiles, blocks, record), dtype=torch.uint8)
+    scales = torch.rand(2 if fmt.mins else 1, tiles, blocks // fmt.super, 16).half()
     return torch.randn(T, 32 * blocks), codes, scales, 16 * tiles if n is None else n
 
 
-def test_block_linear_checks_codes_scales_and_outputs():
+def test_block_linear_checks_codes_scales_format_and_outputs():
     x, codes, scales, n = block_args()
-    assert ops.block_linear(x, codes, scales, n).shape == (2, 32)
-    refused(ops.block_linear, x, codes, torch.rand(3, 2, 3, 16).half(), n, match=r"scales \[1 or 2")  # finding: dim 0
-    refused(ops.block_linear, x, codes, torch.rand(0, 2, 3, 16).half(), n, match=r"scales \[1 or 2")
-    refused(ops.block_linear, x, codes, scales.float(), n, match="Half expected")  # (float16 scales, as GGUF's)
-    refused(ops.block_linear, x, codes, scales[:, :1], n, match=r"scales \[1 or 2, 2, 3, 16\]")
-    refused(ops.block_linear, x, codes, scales[:, :, :2], n, match="scales")
-    refused(ops.block_linear, x, codes, scales.transpose(1, 2), n, match="scales")
-    refused(ops.block_linear, x, codes[:, :, :3], scales, n, match="codes")
-    refused(ops.block_linear, x, codes.transpose(0, 1), scales, n, match="codes")  # (not contiguous)
-    refused(ops.block_linear, x, codes.to(torch.int8), scales, n, match="Byte expected")
-    refused(ops.block_linear, x, codes[0], scales, n, match="5 dims expected")
-    refused(ops.block_linear, x[:, :64], codes, scales, n, match="x has 64 inputs")
-    refused(ops.block_linear, x, codes, scales, 33, match="outputs")
-    refused(ops.block_linear, x, codes, scales, 16, match="outputs")  # leaves the second tile empty
-    refused(ops.block_linear, x, codes, scales, 0, match="outputs")
-    refused(ops.block_linear, x, codes, scales, -5, match="outputs")
-    refused(ops.block_linear, x, codes, scales, n, 7, match="isa 7")
-    refused(ops.block_linear, x, codes, scales, n, -2, match="isa -2")
-    refused(ops.block_linear, x.double(), codes, scales, n, match="Float expected")
-    refused(ops.block_linear, x, torch.empty(codes.shape, dtype=torch.uint8, device=META), scales, n,
+    assert ops.block_linear(x, codes, scales, n, Q4_1).shape == (2, 32)
+    refused(ops.block_linear, x, codes, torch.rand(3, 2, 3, 16).half(), n, Q4_1, match=r"scales \[2")  # dim 0
+    refused(ops.block_linear, x, codes, torch.rand(0, 2, 3, 16).half(), n, Q4_1, match=r"scales \[2")
+    refused(ops.block_linear, x, codes, scales[:1], n, Q4_1, match=r"scales \[2")  # (Q4_1 has offsets: D and Dm)
+    refused(ops.block_linear, x, codes, scales.float(), n, Q4_1, match="Half expected")  # (float16, as GGUF's)
+    refused(ops.block_linear, x, codes, scales[:, :1], n, Q4_1, match=r"scales \[2, 2, 3, 16\]")
+    refused(ops.block_linear, x, codes, scales[:, :, :2], n, Q4_1, match="scales")
+    refused(ops.block_linear, x, codes, scales.transpose(1, 2), n, Q4_1, match="scales")
+    refused(ops.block_linear, x, codes[:, :, :3], scales, n, Q4_1, match="codes")
+    refused(ops.block_linear, x, codes.transpose(0, 1), scales, n, Q4_1, match="codes")  # (not contiguous)
+    refused(ops.block_linear, x, codes.to(torch.int8), scales, n, Q4_1, match="Byte expected")
+    refused(ops.block_linear, x, codes[0], scales, n, Q4_1, match="3 dims expected")
+    refused(ops.block_linear, x[:, :64], codes, scales, n, Q4_1, match="x has 64 inputs")
+    refused(ops.block_linear, x, codes, scales, 33, Q4_1, match="outputs")
+    refused(ops.block_linear, x, codes, scales, 16, Q4_1, match="outputs")  # leaves the second tile empty
+    refused(ops.block_linear, x, codes, scales, 0, Q4_1, match="outputs")
+    refused(ops.block_linear, x, codes, scales, -5, Q4_1, match="outputs")
+    refused(ops.block_linear, x, codes, scales, n, Q4_1, 7, match="isa 7")
+    refused(ops.block_linear, x, codes, scales, n, Q4_1, -2, match="isa -2")
+    refused(ops.block_linear, x.double(), codes, scales, n, Q4_1, match="Float expected")
+    for bad in (-1, 3, 0x33, 1 << 30, Q4_1 | 1 << 12, FORMATS["Q8_0"].code | 1 << 4, 129 << 16):
+        refused(ops.block_linear, x, codes, scales, n, bad, match="is no block format")  # (a crafted format code)
+    refused(ops.block_linear, x, codes, scales, n, Q6_K, match="codes")  # (the record of another format)
+    x6, codes6, scales6, n6 = block_args(blocks=8, fmt=FORMATS["Q6_K"])
+    assert ops.block_linear(x6, codes6, scales6, n6, Q6_K).shape == (2, 32)
+    refused(ops.block_linear, x6[:, :32 * 4], codes6[:, :4].contiguous(), scales6, n6, Q6_K, match="super-blocks")
+    refused(ops.block_linear, x, torch.empty(codes.shape, dtype=torch.uint8, device=META), scales, n, Q4_1,
             match="CPU tensor expected")
-    refused(ops.block_linear, x, codes, torch.empty(scales.shape, dtype=torch.half, device=META), n,
+    refused(ops.block_linear, x, codes, torch.empty(scales.shape, dtype=torch.half, device=META), n, Q4_1,
             match="CPU tensor expected")
     empty = block_args(tiles=0)
-    refused(ops.block_linear, empty[0], empty[1], empty[2], 0, match="outputs")
+    refused(ops.block_linear, empty[0], empty[1], empty[2], 0, Q4_1, match="outputs")
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3), st.booleans(), st.sampled_from([1, 2, 3]),
-       st.integers(-20, 70), st.integers(-1, 1))
-def test_block_linear_any_shapes_give_the_product_or_an_error(T, tiles, blocks, four, planes, n, k_shift):
-    codes = torch.randint(0, 256, (tiles, blocks, 4 if four else 8, 16, 4), dtype=torch.uint8)
-    scales = torch.rand(planes, tiles, blocks, 16).half()
+@given(st.integers(0, 3), st.integers(0, 3), st.integers(0, 17), st.sampled_from(sorted(FORMATS)),
+       st.sampled_from([1, 2, 3]), st.integers(-20, 70), st.integers(-1, 1), st.integers(-1, 1))
+def test_block_linear_any_shapes_give_the_product_or_an_error(T, tiles, blocks, kind, planes, n, k_shift, r_shift):
+    fmt = FORMATS[kind]
+    codes = torch.randint(0, 256, (tiles, blocks, max(0, fmt.record + r_shift)), dtype=torch.uint8)
+    scales = torch.rand(planes, tiles, max(1, blocks // fmt.super), 16).half()
     x = torch.randn(T, max(0, 32 * blocks + 32 * k_shift))
     try:
-        out = ops.block_linear(x, codes, scales, n)
+        out = ops.block_linear(x, codes, scales, n, fmt.code)
     except RuntimeError as e:
         assert "casspec block_linear" in str(e)
         return

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from dsia.blockq import FORMATS
 from dsia.errors import CasspecError
 from dsia.cxx import build_error
 from dsia.fastloop import BLOCKS, Stacks, layer_stack
@@ -76,13 +77,14 @@ def test_dense_targets_equal_the_python_loop(arch, kernels, fused, dtype):
     assert_same(fast, slow, TARGET)
 
 
-def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
+def test_a_gguf_targets_block_products_equal_the_python_loop(tmp_path):
     """A target run as stored: its block products (q|k|v, o, gate|up, down per layer), and its batch-invariant
     attention (each row over its own keys: the one-token step and the tree's rows; and by SDPA)."""
     from casspec.runtime.engine import Engine
 
-    for qtype in ("Q4_0", "Q8_0"):
-        path = tiny_gguf(tmp_path / f"t-{qtype}.gguf", dim=64, heads=4, kv_heads=2, qtype=qtype, pad_vocab=13)
+    for qtype in ("Q4_0", "Q8_0", "Q6_K"):
+        dim = 256 if qtype.endswith("_K") else 64
+        path = tiny_gguf(tmp_path / f"t-{qtype}.gguf", dim=dim, heads=4, kv_heads=2, qtype=qtype, pad_vocab=13)
         try:
             eng = Engine.from_pretrained(str(path), weights="native", autoprofile=False, keep_state=False)
         except CasspecError as e:
@@ -93,7 +95,7 @@ def test_a_gguf_targets_q4_and_q8_products_equal_the_python_loop(tmp_path):
             fast, slow = both(target)
             stack = fast.stacks.get(fast, TARGET)
             blocks = [slot for slot in stack.slots if slot.kind == BLOCKS]  # its products: the blocks as stored
-            assert len(blocks) == 4 * 2 and {slot.weight.shape[2] for slot in blocks} == {8 if qtype == "Q8_0" else 4}
+            assert len(blocks) == 4 * 2 and {slot.doubled for slot in blocks} == {FORMATS[qtype].code}
             assert_same(fast, slow, TARGET)
 
 

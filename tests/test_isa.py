@@ -27,7 +27,8 @@ def outputs() -> dict[str, torch.Tensor]:
     """Logits of a prefill, a tree's verification and one-token steps of tiny float32 and bfloat16 targets on
     casspec's products and ops, block products of every kind over 1-9 rows, the MLP's silu(gate) * up, and attention
     over heads of 64 and 128 floats."""
-    from dsia.blockq import BlockLinear
+    from dsia.blockq import FORMATS, BlockLinear
+    from test_blockq import random_blocks
     from dytc.tree import ancestor_mask, position_ids
     from tiny import tiny_engine
 
@@ -45,12 +46,10 @@ def outputs() -> dict[str, torch.Tensor]:
             cache.commit([0])
         out[f"{dtype} steps"] = torch.cat(steps)
     gen = torch.Generator().manual_seed(0)
-    for bits, offsets in ((4, True), (4, False), (8, False)):
-        q = torch.randint(0, 16, (40, 96), generator=gen) if bits == 4 else torch.randint(-128, 128, (40, 96),
-                                                                                          generator=gen)
-        d = torch.rand(40, 3, generator=gen).half().float()  # (float16 scales, as GGUF stores them)
-        k = BlockLinear(q, d, torch.randn(40, 3, generator=gen).half().float() if offsets else None, bits)
-        out[f"blocks {bits} {offsets}"] = torch.cat([k(torch.randn(T, 96, generator=gen)) for T in range(1, 10)])
+    for kind, fmt in FORMATS.items():  # (every GGUF block format, over 1-9 rows)
+        w = random_blocks(fmt, 40, 512, gen)
+        k = BlockLinear(w["u"], fmt, w["D"], w["Dm"], w["a"], w["b"])
+        out[f"blocks {kind}"] = torch.cat([k(torch.randn(T, 512, generator=gen)) for T in range(1, 10)])
     for hd in (64, 128):  # (heads of 64 and 128 floats: AVX-512 scores a block of 16 keys a row sees at once)
         q = torch.randn(6, 3, hd, generator=gen)
         keys, values = torch.randn(2, 60, hd, generator=gen), torch.randn(2, 60, hd, generator=gen)
@@ -86,7 +85,7 @@ def run_child(tmp_path: Path, isa: str | None) -> dict[str, torch.Tensor]:
 def test_the_plain_and_avx2_paths_give_the_widest_paths_bits(tmp_path):
     """(On a machine without AVX-512 the avx2 child runs the widest path again; without AVX2, the plain one.)"""
     widest = run_child(tmp_path, None)
-    assert len(widest) == 15
+    assert len(widest) == 22
     for isa in ("avx2", "plain"):
         other = run_child(tmp_path, isa)
         assert other.keys() == widest.keys()

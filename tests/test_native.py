@@ -1,6 +1,6 @@
-"""`--weights native` (casspec/loading/native.py): a Q4_0 / Q4_1 / Q8_0 GGUF run in its stored quantization. The blocks
-decode as llama.cpp's (gguf-py's) dequantization, the kernels multiply what is stored, and every method is lossless
-relative to the native target: greedy tokens equal native `ar`'s."""
+"""`--weights native` (casspec/loading/native.py, ggufcodes.py): a quantized GGUF (Q4_0 .. Q8_0 and the K-quants)
+run in its stored quantization. The blocks decode as llama.cpp's (gguf-py's) dequantization, the kernels multiply
+what is stored, and every method is lossless relative to the native target: greedy tokens equal native `ar`'s."""
 import numpy as np
 import pytest
 import torch
@@ -8,109 +8,107 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from casspec.runtime.engine import Engine
-from casspec.loading.native import _row_order, decode_blocks, dequantize, kernel, unpermute
+from casspec.loading.ggufcodes import QUANT_TYPES, Codes, decode, random_blocks
+from casspec.loading.native import TORCH_TYPES, _row_order, kernel, unpermute
 from casspec.runtime.request import Request
 from dsia.blockq import BlockLinear
 from dsia.cxx import build_error
 from dsia.errors import CasspecError
-from test_blockq import reference as block_reference
+from test_blockq import close as block_close
 from tiny import tiny_gguf
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+ENGINE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # (Q4_K_M files: Q4_K, Q6_K, Q5_0 / Q8_0 beside)
 METHODS = ("pld", "sd", "tree", "vc", "hc", "dytc")
 
 
-@pytest.mark.parametrize("kind", TYPES)
-def test_blocks_decode_as_gguf_dequantizes_them(kind):
+def codes_of(kind: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, Codes]:
+    raw = random_blocks(kind, rows, cols, np.random.default_rng(seed))
+    return raw, decode(kind, raw)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(QUANT_TYPES), st.integers(1, 9), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_blocks_decode_as_gguf_dequantizes_them(kind, rows, blocks, seed):
+    """Every stored bit (random blocks: every code, scale and min pattern) decodes as gguf-py's dequantization,
+    exactly."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
-    from gguf.quants import quantize
 
-    w = np.random.default_rng(0).normal(0, 0.3, (48, 96)).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType[kind])
-    q, d, m = decode_blocks(kind, raw)
+    cols = blocks * (256 if kind.endswith("_K") else 32)
+    raw, codes = codes_of(kind, rows, cols, seed)
     ref = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[kind]))
-    assert torch.equal(dequantize(kind, q, d, m), ref)
-    lo, hi = (-128, 127) if kind == "Q8_0" else (0, 15)
-    assert q.shape == (48, 96) and lo <= int(q.min()) and int(q.max()) <= hi
+    assert torch.equal(codes.dequantize(), ref)
+    assert codes.u.shape == (rows, cols) and int(codes.u.max()) < 1 << codes.fmt.bits
 
 
-@pytest.mark.parametrize("kind", TYPES)
-def test_the_row_order_of_stored_blocks_is_found(kind):
+def test_the_row_order_of_stored_blocks_is_found():
     """_row_order: the stored order, llama.cpp's q/k order (tried on a few rows), any other order (every row matched
     by its bytes), and blocks that match no row of the weights: one clear error."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    w = np.random.default_rng(1).normal(0, 0.3, (48, 64)).astype(np.float32)
-    q, d, m = decode_blocks(kind, quantize(w, GGMLQuantizationType[kind]))
-    blocks = (kind, q, d, m)
-    dense = dequantize(kind, q, d, m)
-    assert torch.equal(_row_order(blocks, dense, "t", 0), torch.arange(48))
-    llama = unpermute(torch.arange(48)[:, None], 3)[:, 0]
-    assert torch.equal(_row_order(blocks, dense[llama], "t", 3), llama)
-    shuffled = torch.randperm(48, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(_row_order(blocks, dense[shuffled], "t", 3), shuffled)
-    with pytest.raises(CasspecError, match="the GGUF tensor t does not match"):
-        _row_order(blocks, dense + 1.0, "t", 3)
+    for kind in ("Q4_1", "Q6_K"):
+        _, codes = codes_of(kind, 48, 256, 1)
+        dense = codes.dequantize()
+        assert torch.equal(_row_order(codes, dense, "t", 0), torch.arange(48))
+        llama = unpermute(torch.arange(48)[:, None], 3)[:, 0]
+        assert torch.equal(_row_order(codes, dense[llama], "t", 3), llama)
+        shuffled = torch.randperm(48, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(_row_order(codes, dense[shuffled], "t", 3), shuffled)
+        with pytest.raises(CasspecError, match="the GGUF tensor t does not match"):
+            _row_order(codes, dense + 1.0, "t", 3)
 
 
-@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("kind", QUANT_TYPES)
 def test_the_kernel_multiplies_the_stored_codes(kind):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    w = np.random.default_rng(1).normal(0, 0.3, (32, 64)).astype(np.float32)
-    q, d, m = decode_blocks(kind, quantize(w, GGMLQuantizationType[kind]))
-    x = torch.randn(5, 64)
-    k = kernel(kind, q, d, m)
+    _, codes = codes_of(kind, 32, 512, 2)
+    x = torch.randn(5, 512)
+    if build_error() is not None and kind not in TORCH_TYPES:
+        with pytest.raises(CasspecError, match="did not build here"):
+            kernel(codes)
+        return
+    k = kernel(codes)
     if isinstance(k, BlockLinear):  # casspec's block product: activations quantized to 8 bits per block
-        ref = block_reference(x, q, d, -8 * d if kind == "Q4_0" else m)
-        assert torch.allclose(k(x).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        assert block_close(k(x), x, codes.fmt, {n: getattr(codes, n) for n in ("u", "D", "Dm", "a", "b")})
         return
     bf = lambda t: t.bfloat16().float()  # noqa: E731  (torch's int4 kernel holds its scales, and multiplies, in bf16)
+    q = codes.u.reshape(32, -1, 32).float()
     if kind == "Q8_0":
-        ref_w = (q.reshape(32, -1, 32).float() * bf(d)[..., None]).reshape(32, 64)
+        ref_w = ((q - 128) * bf(codes.D)[..., None]).reshape(32, 512)
     else:
-        zero = bf(m + 8 * d) if m is not None else torch.zeros_like(d)
-        ref_w = ((q.reshape(32, -1, 32).float() - 8) * bf(d)[..., None] + zero[..., None]).reshape(32, 64)
-    y = k(x)
+        zero = bf(codes.Dm + 8 * codes.D) if codes.Dm is not None else torch.zeros_like(codes.D)
+        ref_w = ((q - 8) * bf(codes.D)[..., None] + zero[..., None]).reshape(32, 512)
     ref = bf(x) @ ref_w.T
-    torch.testing.assert_close(y, ref, rtol=0, atol=2 ** -8 * ref.abs().max().item())
+    torch.testing.assert_close(k(x), ref, rtol=0, atol=2 ** -8 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("kind", QUANT_TYPES)
 def test_a_rows_result_does_not_depend_on_the_row_count(kind):
     """What makes speculation on a native target lossless: a verification's rows are what one-token steps give
     (the real model's q|k|v shape)."""
-    g = torch.Generator().manual_seed(0)
-    lo, hi = (-128, 128) if kind == "Q8_0" else (0, 16)
-    q = torch.randint(lo, hi, (960, 576), generator=g)
-    d = (torch.rand(960, 18, generator=g) * 0.01).half().float()  # (float16, as a GGUF file stores it)
-    m = -8 * d if kind == "Q4_1" else None
-    k = kernel(kind, q, d, m)
-    x = torch.randn(16, 576, generator=g)
+    if build_error() is not None and kind not in TORCH_TYPES:
+        pytest.skip("casspec's block kernel did not build: only torch's types run")
+    _, codes = codes_of(kind, 960, 768, 3)
+    k = kernel(codes)
+    x = torch.randn(16, 768, generator=torch.Generator().manual_seed(0))
     for T in (2, 5, 16):
         assert torch.equal(k(x[:T]), torch.cat([k(x[i:i + 1]) for i in range(T)]))
 
 
 @pytest.mark.skipif(build_error() is not None, reason="casspec's block kernel takes float16 scales")
-@pytest.mark.parametrize("kind,bad", [("Q4_0", 9000.0), ("Q4_1", float("nan")), ("Q8_0", float("inf"))])
+@pytest.mark.parametrize("kind,bad", [("Q4_0", 9000.0 * 8), ("Q4_1", float("nan")), ("Q8_0", float("inf")),
+                                      ("Q4_K", float("nan"))])
 def test_block_scales_that_are_no_finite_float16_are_one_clear_error(kind, bad):
-    """A crafted file's scale (NaN, inf, or a Q4_0 scale whose offset -8 d overflows float16) is refused, not
-    multiplied into NaN logits."""
-    q = torch.randint(0, 16, (16, 64))
-    d = torch.full((16, 2), 0.01).half().float()
-    d[3, 1] = bad
+    """A crafted file's scale (NaN, inf, or one float16 cannot hold) is refused, not multiplied into NaN logits."""
+    _, codes = codes_of(kind, 16, 256, 4)
+    codes.D[3, 0] = bad
     with pytest.raises(CasspecError, match="block scales") as e:
-        kernel(kind, q, d, d.clone() if kind == "Q4_1" else None)
+        kernel(codes)
     assert "\n" not in str(e.value)
 
 
-@pytest.fixture(scope="module", params=TYPES)
+@pytest.fixture(scope="module", params=ENGINE_TYPES)
 def engines(request, tmp_path_factory):
     """(native, float) engines over one tiny quantized GGUF (every matrix fits the kernels)."""
-    path = tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf", seed=3, dim=64, layers=2,
+    dim = 256 if request.param.endswith("_K") else 64  # (a K-quant's rows are whole super-blocks of 256)
+    path = tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf", seed=3, dim=dim, layers=2,
                      heads=2, kv_heads=1, qtype=request.param, pad_vocab=13)
     kw = dict(autoprofile=False, keep_state=False, kernels="blas")
     return native_engine(str(path), **kw), Engine.from_pretrained(str(path), **kw)
@@ -170,9 +168,9 @@ def test_native_needs_a_gguf_file(tmp_path):
 
 
 def test_an_unsupported_block_type_is_one_clear_line(tmp_path):
-    path = tiny_gguf(tmp_path / "k.gguf", dim=64, layers=1, heads=2, kv_heads=1, qtype="Q5_0", pad_vocab=13)
-    with pytest.raises(CasspecError, match=r"--weights native runs Q4_0, Q4_1, Q8_0 tensors, and blk\.0\.\w+\.weight "
-                                           r"is Q5_0: use --weights float"):
+    path = tiny_gguf(tmp_path / "k.gguf", dim=64, layers=1, heads=2, kv_heads=1, qtype="IQ4_NL", pad_vocab=13)
+    with pytest.raises(CasspecError, match=r"--weights native runs Q4_0, .*, Q6_K tensors, and blk\.0\.\w+\.weight "
+                                           r"is IQ4_NL: use --weights float"):
         Engine.from_pretrained(str(path), weights="native", autoprofile=False, keep_state=False)
 
 

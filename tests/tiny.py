@@ -98,19 +98,27 @@ def joint_chi2_p(obs, joint) -> float:
     return chi2_p(o, x)
 
 
+# a K-quant's float16 scales in tiny_gguf: weights of about the float ones' size (0.2) from random codes
+K_SCALES = {"Q2_K": 0.02, "Q3_K": 0.006, "Q4_K": 0.001, "Q5_K": 0.0005, "Q6_K": 0.0002}
+
+
 def tiny_gguf(path, seed: int = 0, dim: int = 16, layers: int = 2, heads: int = 2, kv_heads: int = 1,
               block_count: int | None = None, qtype: str = "F32", pad_vocab: int = 0):
     """A tiny float32 Llama GGUF (tied head) with a byte-level BPE vocabulary (the 256 byte symbols, one merge
     'a b', then <s> and </s>), written with gguf's GGUFWriter: a few tens of KB that dequantize in well under a
     second. block_count: the layer count its header claims (default: `layers`, the layers it holds). Returns
-    `path`. qtype: the GGML type its matrices are stored in (F32, Q4_0, Q4_1, Q8_0; the token embedding, tied head,
-    in Q8_0 when quantized); pad_vocab: unused tokens appended to the vocabulary (so that it fits a packed kernel)."""
+    `path`. qtype: the GGML type its matrices are stored in (F32, a type gguf quantizes: Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0; or a K-quant, random blocks of about the float weights' size, dim a multiple of 256; the token embedding,
+    tied head, in Q8_0 when quantized); pad_vocab: unused tokens appended to the vocabulary (so that it fits a packed
+    kernel)."""
     import numpy as np
     from gguf import GGUFWriter, TokenType
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
+
+    from casspec.loading.ggufcodes import random_blocks
 
     tokens = list(bytes_to_unicode().values()) + ["ab"] + [f"<pad{i}>" for i in range(pad_vocab)] + ["<s>", "</s>"]
     vocab, ffn, kv_dim = len(tokens), 2 * dim, kv_heads * (dim // heads)
@@ -146,6 +154,12 @@ def tiny_gguf(path, seed: int = 0, dim: int = 16, layers: int = 2, heads: int = 
         kind = "F32" if norm else "Q8_0" if name == "token_embd.weight" and qtype != "F32" else qtype
         if kind == "F32":
             w.add_tensor(name, data)
+        elif kind in K_SCALES:
+            w.add_tensor(name, random_blocks(kind, *shape, rng, K_SCALES[kind]), raw_dtype=GGMLQuantizationType[kind])
+        elif kind == "IQ4_NL":  # (a type casspec does not multiply: blocks of 32, a float16 d, 16 bytes of indices)
+            raw = rng.integers(0, 256, (shape[0], shape[1] // 32, 18), dtype=np.uint8)
+            raw[..., 0:2] = np.full((shape[0], shape[1] // 32, 1), 0.002, np.float16).view(np.uint8)
+            w.add_tensor(name, raw.reshape(shape[0], -1), raw_dtype=GGMLQuantizationType[kind])
         else:
             t = GGMLQuantizationType[kind]
             w.add_tensor(name, quantize(data, t), raw_dtype=t)

@@ -1,7 +1,7 @@
-"""casspec's own reader of a GGUF's weights: a Llama-architecture file's tensors (F32, F16, BF16 as stored; Q4_0,
-Q4_1, Q8_0 blocks decoded as llama.cpp decodes them, native.py) under transformers' parameter names, with the q/k
-rows llama.cpp's converter reorders for its RoPE put back, read from the bytes casspec's bounded reader checked
-(ggufcheck.py: every offset and size lies inside the file).
+"""casspec's own reader of a GGUF's weights: a Llama-architecture file's tensors (F32, F16, BF16 as stored; quantized
+blocks, Q4_0 .. Q8_0 and the K-quants, decoded as llama.cpp decodes them, ggufcodes.py) under transformers'
+parameter names, with the q/k rows llama.cpp's converter reorders for its RoPE put back, read from the bytes
+casspec's bounded reader checked (ggufcheck.py: every offset and size lies inside the file).
 
 transformers reads a GGUF three times (tokenizer, config, weights: gguf's reader parses the whole header each time,
 then maps the names module by module): 15.7 s of SmolLM2's 35.6 s first use on the AMD EPYC. The weights are the
@@ -25,7 +25,8 @@ from dsia.errors import CasspecError
 from dsia.spec import ModelSpec
 
 from .ggufcheck import GGUFFile, GGUFHeader, GGUFTensor
-from .native import DENSE_TYPES, NATIVE_TYPES, decode_blocks, dequantize, unpermute
+from .ggufcodes import decode
+from .native import DENSE_TYPES, NATIVE_TYPES, unpermute
 from .weights import check_tensors
 
 ARCHS = ("llama",)  # general.architecture values read here (SmolLM2, Llama, Mistral as converted by llama.cpp)
@@ -66,7 +67,7 @@ def hf_name(name: str) -> str | None:
 def _float32(raw: np.ndarray, t: GGUFTensor) -> Tensor:
     """A tensor's stored bytes [rows, row bytes] -> float32 [rows, dims[0]] (a vector: [dims[0]])."""
     if t.kind in NATIVE_TYPES:
-        w = dequantize(t.kind, *decode_blocks(t.kind, raw))
+        w = decode(t.kind, raw).dequantize()
     elif t.kind == "BF16":
         bits = raw.view(np.uint16).astype(np.uint32) << 16
         w = torch.from_numpy(bits.view(np.float32))

@@ -1,8 +1,10 @@
-// A GGUF-style block-quantized product on the CPU (torch.ops.casspec.block_linear): weights in blocks of 32 with a
-// scale d (and an offset m, Q4_1) per block, as stored (4-bit codes 0..15 or 8-bit codes), times the activations
-// quantized per row and block to 8 bits (dx per block, as llama.cpp's Q8 activations): integer dot products, then
-// y[t, o] = sum over blocks of d * dx * (codes . xq) + m * dx * sum(xq), each block's two terms fused
-// multiply-adds into one accumulator in block order (acc = fma(codes . xq, d * dx, acc); acc = fma(m, sx, acc)).
+// A GGUF-style block-quantized product on the CPU (torch.ops.casspec.block_linear): weights as the file stores them
+// (every GGUF block type from Q2_K to Q8_0, ops.h BlockFormat: per block of 32 inputs and output, unsigned codes u
+// and w = D a (u + offset) + Dm b, a and b integers per sub-block, D and Dm float16 per super-block), times the
+// activations quantized per row and block of 32 to 8 bits (dx per block, as llama.cpp's q8_0). Per row, output and
+// block, in integers (exact): lo, hi = each half block's u . xq (+ offset times the half's sum of xq); S = a0 lo +
+// a1 hi; then in float32, two fused multiply-adds into one accumulator in block order:
+//   acc = fma(float(S), D dx, acc);  acc = fma(B, Dm dx, acc),  B = b0 xsum0 + b1 xsum1 (exact in float32)
 //
 // Outputs go 16 at a time, one per float lane (dsia/blockq.py lays the codes out so: per tile of 16 outputs and
 // block, 8 groups of 4 inputs, each group's 4 bytes for every output side by side), so nothing is summed across
@@ -31,37 +33,44 @@ constexpr int64_t kAheadBytes = 8192;  // how far ahead in the codes (and as man
 // loop prefetches: the native SmolLM2 step's 121 products took 3.3-3.4 ms with it against 3.5-4.0 without (AMD EPYC)
 constexpr int kRowTile = 8;  // rows that share each unpacked block on AVX-512 (AVX2's 16 registers: 4)
 
-// A call's operands. codes per (tile, block): 8-bit: 8 groups x 16 outputs x 4 bytes, each code + 128 (0..255);
-// 4-bit: 4 x 16 x 4 bytes, group g in the low nibbles and group g + 4 in the high ones. d, m: [tiles, blocks, 16].
-// Activations: xq [T, K] int8, dx, sx [T, blocks] (sx = dx * sum of the block's xq), xsum [T, blocks] (that sum).
+// A call's operands. Activations: xq [T, K] int8, dx [T, blocks], xsum [T, 2 blocks] (each half block's sum of xq).
 struct Call {
-  const uint8_t* codes;
-  bool eight;  // 8-bit codes, else 4-bit
-  const uint16_t* d;  // float16 bits (as GGUF stores a block's scales; widened exactly)
-  const uint16_t* m;  // or nullptr (no offsets)
+  const uint8_t* codes;  // [tiles, blocks, f.record()]
+  raw::BlockFormat f;
+  int64_t record;  // f.record()
+  const uint16_t* d;  // [tiles, blocks / f.super, 16] float16 bits (as GGUF stores a block's scales; widened exactly)
+  const uint16_t* m;  // the same, Dm, or nullptr (f.mins 0)
   const int8_t* xq;
   const float* dx;
-  const float* sx;
   const int32_t* xsum;
   float* out;  // [T, N], rows ldo apart
   int64_t N, T, K, blocks, ldo;
-};
 
-inline int64_t code_bytes(const Call& c) { return c.eight ? kGroups * kTile * 4 : kGroups / 2 * kTile * 4; }
+  const uint8_t* at(int64_t tile, int64_t b) const { return codes + (tile * blocks + b) * record; }
+  int64_t scale_at(int64_t tile, int64_t b) const { return (tile * (blocks / f.super) + b / f.super) * kTile; }
+  const uint8_t* planes(int64_t tile, int64_t b) const { return at(tile, b) + f.base_bytes(); }
+  const int8_t* mult(int64_t tile, int64_t b) const {  // a [sub-blocks, 16]
+    return reinterpret_cast<const int8_t*>(planes(tile, b) + f.planes * 64);
+  }
+  const int8_t* mins(int64_t tile, int64_t b) const {  // b [sub-blocks, 16]
+    return mult(tile, b) + (f.scaled ? 16 * f.subblocks() : 0);
+  }
+};
 
 // prefetch the codes and scales kAheadBytes of codes past block b of `tile` (tiles lie one after another, so past a
 // tile's last block come the next tile's first), where that lies within the weight
 [[gnu::always_inline]] inline void prefetch_ahead(const Call& c, int64_t tile, int64_t b) {
-  const int64_t bytes = code_bytes(c), blocks = kAheadBytes / bytes, at = tile * c.blocks + b + blocks;
+  const int64_t at = tile * c.blocks + b + std::max<int64_t>(1, kAheadBytes / c.record);
   if (at >= (c.N + kTile - 1) / kTile * c.blocks) {
     return;
   }
-  for (int64_t line = 0; line < bytes; line += 64) {
-    __builtin_prefetch(c.codes + at * bytes + line, 0, 3);
+  for (int64_t line = 0; line < c.record; line += 64) {
+    __builtin_prefetch(c.codes + at * c.record + line, 0, 3);
   }
-  __builtin_prefetch(c.d + at * kTile, 0, 3);
+  const int64_t s = c.scale_at(at / c.blocks, at % c.blocks);
+  __builtin_prefetch(c.d + s, 0, 3);
   if (c.m != nullptr) {
-    __builtin_prefetch(c.m + at * kTile, 0, 3);
+    __builtin_prefetch(c.m + s, 0, 3);
   }
 }
 
@@ -76,36 +85,62 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load16_half(cons
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// the 8-bit code of output lane `lane`, input 4 g + j of block b of tile `tile` (signed), plain
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// the code u of output lane `lane`, input 4 g + j of block b of tile `tile`, plain
 inline int32_t code_plain(const Call& c, int64_t tile, int64_t b, int64_t g, int64_t lane, int64_t j) {
-  const uint8_t* w = c.codes + (tile * c.blocks + b) * code_bytes(c);
-  if (c.eight) {
-    return int32_t{w[(g * kTile + lane) * 4 + j]} - 128;
+  const uint8_t* w = c.at(tile, b);
+  const int64_t byte = lane * 4 + j;
+  int32_t u = 0;
+  if (c.f.base == 8) {
+    u = w[g * 64 + byte];
+  } else if (c.f.base == 4) {
+    const uint8_t two = w[(g % 4) * 64 + byte];
+    u = g < 4 ? two & 15 : two >> 4;
   }
-  const uint8_t byte = w[((g % 4) * kTile + lane) * 4 + j];
-  return g < 4 ? byte & 15 : byte >> 4;
+  for (int p = 0; p < c.f.planes; ++p) {
+    u += static_cast<int32_t>((load_u64(c.planes(tile, b) + p * 64 + g * 8) >> byte) & 1) << (c.f.base + p);
+  }
+  return u;
 }
 
 template <int R>
 [[gnu::always_inline]] inline void rows_plain(const Call& c, int64_t tile, int64_t t0) {
   float acc[R][kTile] = {};
+  const int64_t H = c.f.subblocks();
   for (int64_t b = 0; b < c.blocks; ++b) {
-    const uint16_t* d = c.d + (tile * c.blocks + b) * kTile;
-    const uint16_t* m = c.m != nullptr ? c.m + (tile * c.blocks + b) * kTile : nullptr;
+    const int64_t s = c.scale_at(tile, b);
+    const int8_t* a = c.mult(tile, b);
+    const int8_t* bm = c.mins(tile, b);
     for (int r = 0; r < R; ++r) {
       const int64_t t = t0 + r;
       const int8_t* x = c.xq + t * c.K + b * kBlock;
+      const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
+      const float dx = c.dx[t * c.blocks + b];
       for (int64_t lane = 0; lane < kTile; ++lane) {
-        int32_t s = 0;
+        int32_t half[2] = {0, 0};
         for (int64_t g = 0; g < kGroups; ++g) {
           for (int64_t j = 0; j < 4; ++j) {
-            s += code_plain(c, tile, b, g, lane, j) * int32_t{x[4 * g + j]};
+            half[g / 4] += code_plain(c, tile, b, g, lane, j) * int32_t{x[4 * g + j]};
           }
         }
-        const float scale = half_to_float(d[lane]) * c.dx[t * c.blocks + b];
-        acc[r][lane] = std::fma(static_cast<float>(s), scale, acc[r][lane]);
-        if (m != nullptr) {
-          acc[r][lane] = std::fma(half_to_float(m[lane]), c.sx[t * c.blocks + b], acc[r][lane]);
+        half[0] += c.f.offset * xs0;
+        half[1] += c.f.offset * xs1;
+        int32_t S = half[0] + half[1];
+        if (c.f.scaled) {
+          S = H == 2 ? a[lane] * half[0] + a[16 + lane] * half[1] : a[lane] * S;
+        }
+        acc[r][lane] = std::fma(static_cast<float>(S), half_to_float(c.d[s + lane]) * dx, acc[r][lane]);
+        if (c.f.mins != 0) {
+          const float B = c.f.mins == 1    ? static_cast<float>(xs0 + xs1)
+                          : H == 2         ? static_cast<float>(bm[lane]) * static_cast<float>(xs0) +
+                                         static_cast<float>(bm[16 + lane]) * static_cast<float>(xs1)
+                                           : static_cast<float>(bm[lane]) * static_cast<float>(xs0 + xs1);
+          acc[r][lane] = std::fma(B, half_to_float(c.m[s + lane]) * dx, acc[r][lane]);
         }
       }
     }
@@ -117,6 +152,15 @@ template <int R>
   }
 }
 
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte k: bit k)
+__attribute__((target("avx2"), always_inline)) inline __m256i expand_bits(uint32_t bits) {
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                        3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), pick), bit);
+  return _mm256_cmpeq_epi8(v, bit);
+}
+
 template <int R>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(const Call& c, int64_t tile,
                                                                                 int64_t t0) {
@@ -126,44 +170,91 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
     acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   }
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(-128);
+  const bool eight = c.f.base == 8, two = c.f.halves;
+  // (8-bit codes are multiplied as u - 128 with x's sign trick: maddubs would saturate u8 x s8 pairs over 127)
+  const int32_t offset = eight ? c.f.offset + 128 : c.f.offset;
   for (int64_t b = 0; b < c.blocks; ++b) {
-    const uint8_t* wb = c.codes + (tile * c.blocks + b) * code_bytes(c);
+    const uint8_t* wb = c.at(tile, b);
+    const uint8_t* pl = c.planes(tile, b);
     prefetch_ahead(c, tile, b);
-#pragma GCC unroll 8
+    const int64_t s = c.scale_at(tile, b);
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
       __m256i w[kGroups];
 #pragma GCC unroll 8
-      for (int64_t g = 0; g < (c.eight ? kGroups : kGroups / 2); ++g) {
-        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (g * kTile + 8 * h) * 4));
-        if (c.eight) {
-          w[g] = _mm256_xor_si256(y, flip);  // the signed code
-        } else {
+      for (int64_t g = 0; g < kGroups; ++g) {
+        w[g] = _mm256_setzero_si256();
+      }
+      if (eight) {
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < kGroups; ++g) {
+          w[g] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + 32 * h)), flip);
+        }
+      } else if (c.f.base == 4) {
+#pragma GCC unroll 4
+        for (int64_t g = 0; g < kGroups / 2; ++g) {
+          const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + 32 * h));
           w[g] = _mm256_and_si256(y, low);
           w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(y, 4), low);
         }
       }
-      const __m256 d = load8_half(c.d + (tile * c.blocks + b) * kTile + 8 * h);
-      const __m256 m = c.m != nullptr ? load8_half(c.m + (tile * c.blocks + b) * kTile + 8 * h) : d;
+      for (int p = 0; p < c.f.planes; ++p) {
+        const __m256i add = _mm256_set1_epi8(static_cast<char>(1 << (c.f.base + p)));
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < kGroups; ++g) {
+          const uint32_t bits = static_cast<uint32_t>(load_u64(pl + p * 64 + g * 8) >> (32 * h));
+          w[g] = _mm256_add_epi8(w[g], _mm256_and_si256(expand_bits(bits), add));
+        }
+      }
+      const __m256 d = load8_half(c.d + s + 8 * h);
+      const __m256 m = c.m != nullptr ? load8_half(c.m + s + 8 * h) : d;
+      const int8_t* ap = c.mult(tile, b) + 8 * h;
+      const int8_t* bp = c.mins(tile, b) + 8 * h;
+      const __m256i a0 = c.f.scaled ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ap)))
+                                    : _mm256_set1_epi32(1);
+      const __m256i a1 = c.f.scaled && two
+                             ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ap + 16)))
+                             : a0;
+      __m256 b0 = _mm256_setzero_ps(), b1 = b0;
+      if (c.f.mins == 2) {
+        b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bp))));
+        b1 = two ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bp + 16))))
+                 : b0;
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t t = t0 + r;
         const int8_t* x = c.xq + t * c.K + b * kBlock;
-        __m256i s = _mm256_setzero_si256();
+        const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
+        __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 8
         for (int64_t g = 0; g < kGroups; ++g) {
           int32_t four;
           std::memcpy(&four, x + 4 * g, 4);
           __m256i xv = _mm256_set1_epi32(four), wv = w[g];
-          if (c.eight) {  // |w| times x with w's sign: u8 x s8 pairs, no saturation (128 * 127 * 2 < 2^15)
+          if (eight) {  // |w| times x with w's sign: u8 x s8 pairs, no saturation (128 * 127 * 2 < 2^15)
             xv = _mm256_sign_epi8(xv, wv);
             wv = _mm256_abs_epi8(wv);
           }
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+          half[g / 4] = _mm256_add_epi32(half[g / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
         }
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(c.dx[t * c.blocks + b]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][h]);
-        if (c.m != nullptr) {
-          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(c.sx[t * c.blocks + b]), acc[r][h]);
+        const __m256i lo = _mm256_add_epi32(half[0], _mm256_set1_epi32(offset * xs0));
+        const __m256i hi = _mm256_add_epi32(half[1], _mm256_set1_epi32(offset * xs1));
+        const __m256i S = two ? _mm256_add_epi32(_mm256_mullo_epi32(a0, lo), _mm256_mullo_epi32(a1, hi))
+                              : _mm256_mullo_epi32(a0, _mm256_add_epi32(lo, hi));
+        const __m256 dx = _mm256_set1_ps(c.dx[t * c.blocks + b]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, dx), acc[r][h]);
+        if (c.f.mins != 0) {
+          __m256 B;
+          if (c.f.mins == 1) {
+            B = _mm256_set1_ps(static_cast<float>(xs0 + xs1));
+          } else if (two) {
+            B = _mm256_add_ps(_mm256_mul_ps(b0, _mm256_set1_ps(static_cast<float>(xs0))),
+                              _mm256_mul_ps(b1, _mm256_set1_ps(static_cast<float>(xs1))));
+          } else {
+            B = _mm256_mul_ps(b0, _mm256_set1_ps(static_cast<float>(xs0 + xs1)));
+          }
+          acc[r][h] = _mm256_fmadd_ps(B, _mm256_mul_ps(m, dx), acc[r][h]);
         }
       }
     }
@@ -187,43 +278,79 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
     acc[r] = _mm512_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(15);
+  const bool two = c.f.halves;
   for (int64_t b = 0; b < c.blocks; ++b) {
-    const uint8_t* wb = c.codes + (tile * c.blocks + b) * code_bytes(c);
+    const uint8_t* wb = c.at(tile, b);
+    const uint8_t* pl = c.planes(tile, b);
     prefetch_ahead(c, tile, b);
-    __m512i w[kGroups];  // u8: the code + 128 (8-bit), or the code (4-bit)
-    if (c.eight) {
+    __m512i w[kGroups];  // u8: the codes
+    if (c.f.base == 8) {
 #pragma GCC unroll 8
       for (int64_t g = 0; g < kGroups; ++g) {
-        w[g] = _mm512_loadu_si512(wb + g * kTile * 4);
+        w[g] = _mm512_loadu_si512(wb + g * 64);
       }
-    } else {
-#pragma GCC unroll 8
+    } else if (c.f.base == 4) {
+#pragma GCC unroll 4
       for (int64_t g = 0; g < kGroups / 2; ++g) {
-        const __m512i y = _mm512_loadu_si512(wb + g * kTile * 4);
+        const __m512i y = _mm512_loadu_si512(wb + g * 64);
         w[g] = _mm512_and_si512(y, low);
         w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(y, 4), low);
       }
+    } else {
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < kGroups; ++g) {
+        w[g] = _mm512_setzero_si512();
+      }
     }
-    const __m512 d = load16_half(c.d + (tile * c.blocks + b) * kTile);
-    const __m512 m = c.m != nullptr ? load16_half(c.m + (tile * c.blocks + b) * kTile) : d;
+    for (int p = 0; p < c.f.planes; ++p) {
+      const __m512i add = _mm512_set1_epi8(static_cast<char>(1 << (c.f.base + p)));
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < kGroups; ++g) {
+        w[g] = _mm512_mask_add_epi8(w[g], _cvtu64_mask64(load_u64(pl + p * 64 + g * 8)), w[g], add);
+      }
+    }
+    const int64_t s = c.scale_at(tile, b);
+    const __m512 d = load16_half(c.d + s);
+    const __m512 m = c.m != nullptr ? load16_half(c.m + s) : d;
+    const int8_t* ap = c.mult(tile, b);
+    const int8_t* bp = c.mins(tile, b);
+    const __m512i a0 = c.f.scaled ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ap)))
+                                  : _mm512_set1_epi32(1);
+    const __m512i a1 = c.f.scaled && two
+                           ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ap + 16)))
+                           : a0;
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+    if (c.f.mins == 2) {
+      b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp))));
+      b1 = two ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16))))
+               : b0;
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t t = t0 + r;
       const int8_t* x = c.xq + t * c.K + b * kBlock;
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // (two chains: exact either way)
-#pragma GCC unroll 8
-      for (int64_t g = 0; g < kGroups; g += 2) {  // (each group's 4 activation bytes broadcast from memory)
-        even = _mm512_dpbusd_epi32(even, w[g], _mm512_broadcastd_epi32(_mm_loadu_si32(x + 4 * g)));
-        odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_broadcastd_epi32(_mm_loadu_si32(x + 4 * g + 4)));
+      const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
+      __m512i lo = _mm512_set1_epi32(c.f.offset * xs0), hi = _mm512_set1_epi32(c.f.offset * xs1);
+#pragma GCC unroll 4
+      for (int64_t g = 0; g < kGroups / 2; ++g) {  // (each group's 4 activation bytes broadcast from memory)
+        lo = _mm512_dpbusd_epi32(lo, w[g], _mm512_broadcastd_epi32(_mm_loadu_si32(x + 4 * g)));
+        hi = _mm512_dpbusd_epi32(hi, w[g + 4], _mm512_broadcastd_epi32(_mm_loadu_si32(x + 4 * g + 16)));
       }
-      __m512i s = _mm512_add_epi32(even, odd);
-      if (c.eight) {  // (code + 128) . x - 128 sum(x)
-        s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * c.xsum[t * c.blocks + b]));
-      }
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(c.dx[t * c.blocks + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
-      if (c.m != nullptr) {
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(c.sx[t * c.blocks + b]), acc[r]);
+      const __m512i S = two ? _mm512_add_epi32(_mm512_mullo_epi32(a0, lo), _mm512_mullo_epi32(a1, hi))
+                            : _mm512_mullo_epi32(a0, _mm512_add_epi32(lo, hi));
+      const __m512 dx = _mm512_set1_ps(c.dx[t * c.blocks + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, dx), acc[r]);
+      if (c.f.mins != 0) {
+        __m512 B;
+        if (c.f.mins == 1) {
+          B = _mm512_set1_ps(static_cast<float>(xs0 + xs1));
+        } else if (two) {
+          B = _mm512_add_ps(_mm512_mul_ps(b0, _mm512_set1_ps(static_cast<float>(xs0))),
+                            _mm512_mul_ps(b1, _mm512_set1_ps(static_cast<float>(xs1))));
+        } else {
+          B = _mm512_mul_ps(b0, _mm512_set1_ps(static_cast<float>(xs0 + xs1)));
+        }
+        acc[r] = _mm512_fmadd_ps(B, _mm512_mul_ps(m, dx), acc[r]);
       }
     }
   }
@@ -270,32 +397,12 @@ CASSPEC_RANGE(range_vnni, __attribute__((target(CASSPEC_VNNI))), rows_vnni, kRow
 #undef CASSPEC_RANGE
 static_assert(kRowTile == 4 || kRowTile == 8, "CASSPEC_RANGE takes 4 rows, then the last 1-3");
 
-}  // namespace
 
-namespace raw {
-
-// the block product's widest path here (ops.h machine_isa): its AVX-512 path needs VNNI, BW and VL besides (else AVX2)
-Isa block_isa() {
-  static const Isa isa = [] {
-    const Isa cap = machine_isa();
-    __builtin_cpu_init();
-    if (cap == kAvx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl")) {
-      return kAvx512;
-    }
-    return cap >= kAvx2 && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? kAvx2 : kPlain;
-  }();
-  return isa;
-}
-
-}  // namespace raw
-
-namespace {
 typedef float f16v __attribute__((vector_size(64), aligned(4)));  // 16 floats (unaligned loads and stores)
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
 
 // per block: dx = max |x| / 127, xq = x / dx rounded to nearest (even: adding and subtracting 1.5 * 2^23 rounds a
-// float below 2^22 so, as nearbyint does), their sum, sx = dx * that sum. 16 lanes at a time in every path: the
+// float below 2^22 so, as nearbyint does), each half block's sum of xq. 16 lanes at a time in every path: the
 // same operations, each exact or correctly rounded, so the same bits.
 [[gnu::always_inline]] inline void quantize_impl(const float* x, const raw::BlockActs& a, int64_t b0, int64_t b1) {
   const f16v big = f16v{} + 12582912.0f;
@@ -315,22 +422,17 @@ typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
     }
     const float scale = top / 127.f;
     const float inv = scale != 0.f ? 1.f / scale : 0.f;
-    i16v sum = {};
     int8_t* q = a.xq + at * kBlock;
     for (int h = 0; h < 2; ++h) {
       const i16v r = __builtin_convertvector((v[h] * inv + big) - big, i16v);
-      sum += r;
+      int32_t total = 0;
       for (int i = 0; i < 16; ++i) {
         q[16 * h + i] = static_cast<int8_t>(r[i]);
+        total += r[i];
       }
-    }
-    int32_t total = 0;
-    for (int i = 0; i < 16; ++i) {
-      total += sum[i];
+      a.xsum[2 * at + h] = total;
     }
     a.dx[at] = scale;
-    a.xsum[at] = total;
-    a.sx[at] = scale * static_cast<float>(total);
   }
 }
 __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* x, const raw::BlockActs& a, int64_t b0,
@@ -355,9 +457,39 @@ void quantize_blocks(const float* x, const BlockActs& a, int64_t b0, int64_t b1)
   }
 }
 
+BlockFormat block_format(int64_t code) {
+  BlockFormat f{};
+  f.base = static_cast<int>(code & 15);
+  f.planes = static_cast<int>((code >> 4) & 3);
+  f.scaled = ((code >> 6) & 1) != 0;
+  f.halves = ((code >> 7) & 1) != 0;
+  f.mins = static_cast<int>((code >> 8) & 3);
+  f.super = 1 << ((code >> 10) & 7);
+  f.offset = -static_cast<int>((code >> 16) & 0xFFFF);
+  TORCH_CHECK(code >= 0 && code < (int64_t{129} << 16) && (code & 0xE000) == 0 &&
+                  (f.base == 0 || f.base == 4 || f.base == 8) && f.base + f.planes >= 2 && f.base + f.planes <= 8 &&
+                  f.mins <= 2 && (f.super == 1 || f.super == 8) && f.offset >= -128,
+              "casspec block_linear: ", code, " is no block format (dsia/blockq.py BlockFormat.code)");
+  return f;
+}
+
+// the block product's widest path here (ops.h machine_isa): its AVX-512 path needs VNNI, BW and VL besides (else AVX2)
+Isa block_isa() {
+  static const Isa isa = [] {
+    const Isa cap = machine_isa();
+    __builtin_cpu_init();
+    if (cap == kAvx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+      return kAvx512;
+    }
+    return cap >= kAvx2 && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") ? kAvx2 : kPlain;
+  }();
+  return isa;
+}
+
 void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
                  int64_t tile1, Isa isa) {
-  const Call c{w.codes, w.eight, w.d, w.m, a.xq, a.dx, a.sx, a.xsum, out, w.N, T, w.K, w.K / kBlock, ldo};
+  const Call c{w.codes, w.f, w.f.record(), w.d, w.m, a.xq, a.dx, a.xsum, out, w.N, T, w.K, w.K / kBlock, ldo};
   if (isa == kAvx512) {
     range_vnni(c, tile0, tile1);
   } else if (isa == kAvx2) {
@@ -369,22 +501,24 @@ void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int
 
 }  // namespace raw
 
-// x [T, K] float32; codes [tiles, blocks, 4 or 8, 16, 4] uint8 (dsia/blockq.py); scales [1 or 2, tiles, blocks,
-// 16] float16 (d, and m where w = d q + m); n: the outputs (<= 16 tiles); isa: -1 the best this CPU has, else 0
-// plain, 1 AVX2, 2 AVX-512 VNNI (tests). -> [T, n]
+// x [T, K] float32; codes [tiles, blocks, record] uint8 (dsia/blockq.py); scales [1 or 2, tiles, blocks / super, 16]
+// float16 (D, and Dm where the format has mins); n: the outputs (<= 16 tiles); format: its code; isa: -1 the best
+// this CPU has, else 0 plain, 1 AVX2, 2 AVX-512 VNNI (tests). -> [T, n]
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
-                        int64_t isa) {
+                        int64_t format, int64_t isa) {
   check_tensor(x, "block_linear x [T, K]", at::kFloat, 2);
-  check_tensor(codes, "block_linear codes [tiles, blocks, 4 or 8, 16, 4]", at::kByte, 5);
-  check_tensor(scales, "block_linear scales [1 or 2, tiles, blocks, 16]", at::kHalf, 4);
+  check_tensor(codes, "block_linear codes [tiles, blocks, record]", at::kByte, 3);
+  check_tensor(scales, "block_linear scales [1 or 2, tiles, super-blocks, 16]", at::kHalf, 4);
+  const raw::BlockFormat f = raw::block_format(format);
   const int64_t T = x.size(0), K = x.size(1), tiles = codes.size(0), blocks = codes.size(1);
-  TORCH_CHECK(codes.is_contiguous() && (codes.size(2) == kGroups || codes.size(2) == kGroups / 2) &&
-                  codes.size(3) == kTile && codes.size(4) == 4,
-              "casspec block_linear: codes [tiles, blocks, 4 or 8, 16, 4] contiguous expected, got ", codes.sizes());
-  TORCH_CHECK(scales.is_contiguous() && (scales.size(0) == 1 || scales.size(0) == 2) && scales.size(1) == tiles &&
-                  scales.size(2) == blocks && scales.size(3) == kTile,
-              "casspec block_linear: scales [1 or 2, ", tiles, ", ", blocks, ", 16] contiguous expected, got ",
-              scales.sizes());
+  TORCH_CHECK(codes.is_contiguous() && codes.size(2) == f.record(), "casspec block_linear: codes [tiles, blocks, ",
+              f.record(), "] contiguous expected for format ", format, ", got ", codes.sizes());
+  TORCH_CHECK(blocks % f.super == 0, "casspec block_linear: ", blocks, " blocks are no whole super-blocks of ",
+              f.super);
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == (f.mins != 0 ? 2 : 1) && scales.size(1) == tiles &&
+                  scales.size(2) == blocks / f.super && scales.size(3) == kTile,
+              "casspec block_linear: scales [", f.mins != 0 ? 2 : 1, ", ", tiles, ", ", blocks / f.super,
+              ", 16] contiguous expected, got ", scales.sizes());
   TORCH_CHECK(tiles >= 1 && n >= 1 && n <= kTile * tiles && n > kTile * (tiles - 1), "casspec block_linear: ", n,
               " outputs do not fill the last of ", tiles, " tiles of 16");
   TORCH_CHECK(K == kBlock * blocks, "casspec block_linear: x has ", K, " inputs, the codes ", kBlock * blocks);
@@ -392,15 +526,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
               " is not one this CPU runs (or CASSPEC_ISA allows): -1 the best, 0 plain, 1 AVX2, 2 AVX-512 VNNI");
   const at::Tensor xc = x.contiguous();
   at::Tensor xq = x.new_empty({T, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = x.new_empty({T, blocks}), sx = x.new_empty({T, blocks});
-  at::Tensor xsum = x.new_empty({T, blocks}, x.options().dtype(at::kInt));
-  const raw::BlockActs acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
-                            xsum.data_ptr<int32_t>()};
+  at::Tensor dx = x.new_empty({T, blocks});
+  at::Tensor xsum = x.new_empty({T, 2 * blocks}, x.options().dtype(at::kInt));
+  const raw::BlockActs acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int32_t>()};
   raw::quantize_blocks(xc.data_ptr<float>(), acts, 0, T * blocks);
   at::Tensor out = x.new_empty({T, n});
   const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const raw::Blocks w{codes.data_ptr<uint8_t>(), codes.size(2) == kGroups, d,
-                      scales.size(0) == 2 ? d + tiles * blocks * kTile : nullptr, n, K};
+  const raw::Blocks w{codes.data_ptr<uint8_t>(), f, d, f.mins != 0 ? d + tiles * (blocks / f.super) * kTile : nullptr,
+                      n, K};
   const Isa use = isa == kAuto ? raw::block_isa() : static_cast<Isa>(isa);
   const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, T * K * kTile));
   at::parallel_for(0, tiles, grain, [&](int64_t tile0, int64_t tile1) {

@@ -141,7 +141,8 @@ struct Stack : torch::CustomClassHolder {
   std::vector<at::Tensor> panels;  // [7L] dense: casspec's panels of the weight (dense_pack), or empty
   std::vector<at::Tensor> biases;  // [7L] bias (or empty)
   std::vector<int64_t> group_sizes;  // [7L] packed: group size; blocks: the outputs
-  std::vector<int64_t> doubled;  // [7L] packed: 1 where the kernel takes [x, x] (8-bit codes as two 4-bit planes)
+  std::vector<int64_t> doubled;  // [7L] packed: 1 where the kernel takes [x, x] (8-bit codes as two 4-bit planes);
+                                 // blocks: the block format (its code, ops.h BlockFormat)
   int64_t act_dtype;  // ATen ScalarType code of the packed kernels' activations
   int64_t n_heads, n_kv_heads;
   double eps;
@@ -185,7 +186,7 @@ struct Stack : torch::CustomClassHolder {
       }
     }
     own_step = casspec::OwnStep::from(this->norms, this->kinds, this->weights, this->aux, this->panels,
-                                      this->biases, this->group_sizes, n_heads, n_kv_heads, eps);
+                                      this->biases, this->group_sizes, this->doubled, n_heads, n_kv_heads, eps);
   }
 
   // whether a call with casspec's ops and attention (and its own dense kernel) in the Stack's dtype runs in one
@@ -205,7 +206,7 @@ struct Stack : torch::CustomClassHolder {
       return b ? y + *b : y;
     }
     if (kinds[j] == kBlocks) {  // BlockLinear.__call__, then the bias
-      at::Tensor y = casspec::block_linear(x.to(at::kFloat), weights[j], aux[j], group_sizes[j], -1)
+      at::Tensor y = casspec::block_linear(x.to(at::kFloat), weights[j], aux[j], group_sizes[j], doubled[j], -1)
                          .to(x.scalar_type());
       return b ? y + *b : y;
     }
@@ -359,7 +360,7 @@ TORCH_LIBRARY(casspec, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &casspec::silu_mul);
   m.def("attention(Tensor q, Tensor keys, Tensor values, int end, Tensor? mask, float scale) -> Tensor",
         &casspec::attention);
-  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int n, int isa=-1) -> Tensor", &casspec::block_linear);
+  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, int n, int format, int isa=-1) -> Tensor", &casspec::block_linear);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias=None, int isa=-1) -> Tensor", &casspec::dense_linear);
   m.def("dense_pack(Tensor w) -> Tensor", &casspec::dense_pack);
   m.def("machine_isa() -> int", &casspec::machine_isa_op);

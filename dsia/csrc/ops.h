@@ -50,9 +50,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 double eps);
 // RoPE of x [heads, T, hd] with cos [T, hd] and the signed sin [T, hd]: [heads, T, hd], contiguous
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-// x [T, K] float32 times GGUF-style blocks as stored (blockq.cpp) for n outputs: [T, n]
+// x [T, K] float32 times GGUF-style blocks as stored (blockq.cpp) of format `format` for n outputs: [T, n]
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
-                        int64_t isa);
+                        int64_t format, int64_t isa);
 // x [T, K] float32 or bfloat16 times w [N, K] in x's dtype (+ bias [N]) by casspec's own kernel (dense.cpp): [T, N],
 // each row the same bits whatever the rows beside it and the instruction set (isa -1: the best this CPU has).
 // dense_pack: w as the kernel reads it, panels [ceil(N / 64), K, 64] (made once per weight by its caller);
@@ -126,20 +126,42 @@ void dense_range(const float* x, const float* panels, const float* bias, float* 
 void dense_range(const float* x, const uint16_t* panels, float* y, int64_t ldy, int64_t T, int64_t K, int64_t lo,
                  int64_t hi, Isa isa);
 
-// GGUF-style blocks as stored (blockq.cpp): codes [tiles, blocks, 4 or 8, 16, 4], scales d (and m) [tiles, blocks,
-// 16] as float16 bits, for N outputs of K = 32 blocks inputs
+// A block format (dsia/blockq.py BlockFormat; its int64 code: base | planes << 4 | scaled << 6 | halves << 7 |
+// mins << 8 | log2(super) << 10 | -offset << 16). Each weight of a block of 32 inputs is an unsigned code u, and
+// per output lane w = D a (u + offset) + Dm b, a and b integers per sub-block (of 16 inputs where `halves`, else 32),
+// D and Dm float16 per super-block of `super` blocks (GGUF's 32-blocks: 1; its K-quants' 256: 8).
+struct BlockFormat {
+  int base;  // the codes' low bits: 4 (a nibble plane), 8 (a byte each) or 0 (bit planes alone)
+  int planes;  // bit planes above them (0..3: a Q5's fifth bit, a Q6_K's two high bits, Q2_K/Q3_K's bits)
+  bool scaled;  // an int8 multiplier a per lane and sub-block (else a = 1)
+  bool halves;  // sub-blocks of 16 inputs (else 32)
+  int mins;  // 0: no Dm term; 1: b = 1 (Q4_1, Q5_1: Dm the block's offset); 2: an int8 b per lane and sub-block
+  int super;  // blocks per super-block: 1 or 8
+  int offset;  // added to every code (0 down to -128: Q4_0's -8, Q8_0's -128 for its code + 128)
+  // bytes per tile of 16 outputs and block: the base plane, the bit planes (64 bytes each), then a, then b
+  int64_t base_bytes() const { return base * 64; }
+  int64_t subblocks() const { return halves ? 2 : 1; }
+  int64_t record() const { return base_bytes() + planes * 64 + (scaled ? 16 * subblocks() : 0) +
+                                  (mins == 2 ? 16 * subblocks() : 0); }
+};
+BlockFormat block_format(int64_t code);  // (checked: one error naming what is wrong with the code)
+
+// GGUF-style blocks as laid out by dsia/blockq.py: codes [tiles, blocks, record] (per tile and block: the base
+// plane, 4 x 16 x 4 bytes (a nibble each, group g and g + 4) or 8 x 16 x 4; each bit plane's 8 groups, a 64-bit mask
+// each, bit lane * 4 + j; then a [sub-blocks, 16] int8, b [sub-blocks, 16] int8), D (and Dm) [tiles, blocks / super,
+// 16] float16 bits, for N outputs of K = 32 blocks inputs
 struct Blocks {
   const uint8_t* codes;
-  bool eight;  // 8-bit codes, else 4-bit
+  BlockFormat f;
   const uint16_t* d;
-  const uint16_t* m;  // or nullptr
+  const uint16_t* m;  // or nullptr (mins 0)
   int64_t N, K;
 };
-// a block product's activations: xq [T, K] int8, and per row and block dx, sx = dx * xsum, xsum [T, K / 32]
+// a block product's activations: xq [T, K] int8, and per row and block dx [T, K / 32], per half block (16 inputs)
+// the sum of its xq, xsum [T, K / 16]
 struct BlockActs {
   int8_t* xq;
   float* dx;
-  float* sx;
   int32_t* xsum;
 };
 constexpr int64_t kBlockInputs = 32;  // inputs per block

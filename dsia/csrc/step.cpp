@@ -41,27 +41,27 @@ const char* kWhat = "casspec Stack (one-region step)";
 // slot j as a product of `offset` in its group's buffer with `in` inputs, or nullopt where it is neither GGUF
 // blocks (codes, scales as block_linear reads them; float32 calls) nor a dense weight [N, in] in `dtype`
 std::optional<StepProduct> product_of(int64_t kind, const at::Tensor& w, const at::Tensor& scales,
-                                      const at::Tensor& panels, int64_t outputs, int64_t in, int64_t offset,
-                                      at::ScalarType dtype) {
+                                      const at::Tensor& panels, int64_t outputs, int64_t format, int64_t in,
+                                      int64_t offset, at::ScalarType dtype) {
   StepProduct p{};
   p.K = in;
   p.offset = offset;
   if (kind == kBlocks && dtype == at::kFloat) {
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 5 && w.is_contiguous() &&
-                    (w.size(2) == 4 || w.size(2) == 8) && w.size(3) == 16 && w.size(4) == 4,
-                kWhat, ": block codes [tiles, blocks, 4 or 8, 16, 4] contiguous expected, got ", w.sizes());
-    const int64_t tiles = w.size(0), blocks = w.size(1);
-    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 4 && scales.is_contiguous() &&
-                    (scales.size(0) == 1 || scales.size(0) == 2) && scales.size(1) == tiles &&
-                    scales.size(2) == blocks && scales.size(3) == 16,
-                kWhat, ": block scales [1 or 2, ", tiles, ", ", blocks, ", 16] float16 expected, got ", scales.sizes());
+    const raw::BlockFormat f = raw::block_format(format);
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == f.record(),
+                kWhat, ": block codes [tiles, blocks, ", f.record(), "] contiguous expected, got ", w.sizes());
+    const int64_t tiles = w.size(0), blocks = w.size(1), supers = blocks / f.super;
+    TORCH_CHECK(blocks % f.super == 0 && scales.scalar_type() == at::kHalf && scales.dim() == 4 &&
+                    scales.is_contiguous() && scales.size(0) == (f.mins != 0 ? 2 : 1) && scales.size(1) == tiles &&
+                    scales.size(2) == supers && scales.size(3) == 16,
+                kWhat, ": block scales [", f.mins != 0 ? 2 : 1, ", ", tiles, ", ", supers, ", 16] float16 expected, got ",
+                scales.sizes());
     TORCH_CHECK(outputs >= 1 && outputs <= 16 * tiles && outputs > 16 * (tiles - 1) && blocks * 32 == in, kWhat,
                 ": blocks of ", outputs, " outputs over ", tiles, " tiles and ", blocks * 32, " inputs where the layer "
                 "has ", in);
     const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
     p.blocks = true;
-    p.w = raw::Blocks{w.data_ptr<uint8_t>(), w.size(2) == 8, d, scales.size(0) == 2 ? d + tiles * blocks * 16 : nullptr,
-                      outputs, in};
+    p.w = raw::Blocks{w.data_ptr<uint8_t>(), f, d, f.mins != 0 ? d + tiles * supers * 16 : nullptr, outputs, in};
     p.N = outputs;
     return p;
   }
@@ -92,7 +92,8 @@ const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
 std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
                                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& aux,
                                        const std::vector<at::Tensor>& panels, const std::vector<at::Tensor>& biases,
-                                       const std::vector<int64_t>& outputs, int64_t n_heads, int64_t n_kv_heads,
+                                       const std::vector<int64_t>& outputs, const std::vector<int64_t>& formats,
+                                       int64_t n_heads, int64_t n_kv_heads,
                                        double eps) {
   auto step = std::unique_ptr<OwnStep>(new OwnStep());
   const int64_t L = static_cast<int64_t>(norms.size()) / 2;
@@ -128,7 +129,7 @@ std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, con
       int64_t offset = 0;
       for (int64_t j = first; j < first + (fused ? 1 : count); ++j) {
         std::optional<StepProduct> p =
-            product_of(kinds[j], weights[j], aux[j], panels[j], outputs[j], in, offset, dtype);
+            product_of(kinds[j], weights[j], aux[j], panels[j], outputs[j], formats[j], in, offset, dtype);
         if (!p) {
           return false;
         }
@@ -212,10 +213,9 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
   at::Tensor q = x_in.new_empty({T, HD}, f), att = x_in.new_empty({T, HD}, f);
   at::Tensor gu = x_in.new_empty({T, 2 * I}, f), act = x_in.new_empty({T, I}, f);
   at::Tensor xq = x_in.new_empty({T * widest_}, f.dtype(at::kChar));
-  at::Tensor scales = x_in.new_empty({2, T * widest_ / raw::kBlockInputs}, f);
-  at::Tensor sums = x_in.new_empty({T * widest_ / raw::kBlockInputs}, f.dtype(at::kInt));
-  const raw::BlockActs acts{xq.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(),
-                            sums.data_ptr<int32_t>()};
+  at::Tensor scales = x_in.new_empty({T * widest_ / raw::kBlockInputs}, f);
+  at::Tensor sums = x_in.new_empty({2 * T * widest_ / raw::kBlockInputs}, f.dtype(at::kInt));
+  const raw::BlockActs acts{xq.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<int32_t>()};
   float* X = x.data_ptr<float>();
   float* Dl = delta.data_ptr<float>();
   float* Hn = h.data_ptr<float>();

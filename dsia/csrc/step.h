@@ -60,14 +60,14 @@ struct StepLayer {
 // A Stack's layers as the one-region loop takes them (OwnStep::from: nullptr where some product is neither)
 class OwnStep {
  public:
-  // the Stack's slots (layers.cpp: kinds, weights, aux, panels, biases, outputs), norms [2L], heads; nullptr where a
-  // slot is a kind this loop does not run, or a weight is not GGUF blocks / dense with its panels in the norms'
-  // dtype (float32; bfloat16: dense only, no bias)
+  // the Stack's slots (layers.cpp: kinds, weights, aux, panels, biases, outputs, block formats), norms [2L], heads;
+  // nullptr where a slot is a kind this loop does not run, or a weight is not GGUF blocks / dense with its panels in
+  // the norms' dtype (float32; bfloat16: dense only, no bias)
   static std::unique_ptr<OwnStep> from(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& kinds,
                                        const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& aux,
                                        const std::vector<at::Tensor>& panels, const std::vector<at::Tensor>& biases,
-                                       const std::vector<int64_t>& outputs, int64_t n_heads, int64_t n_kv_heads,
-                                       double eps);
+                                       const std::vector<int64_t>& outputs, const std::vector<int64_t>& formats,
+                                       int64_t n_heads, int64_t n_kv_heads, double eps);
   bool dense() const { return dense_; }  // whether some product is dense (the call's dense kernel must be casspec's)
   at::ScalarType dtype() const { return bf16_ ? at::kBFloat16 : at::kFloat; }  // of the calls it runs
   // x [T, D] after the embedding; k_all, v_all [L, Hkv, S, hd] contiguous, written at [start, start + T), read over

@@ -140,7 +140,7 @@ def _bench_args(sub) -> None:
     b = sub.add_parser("bench", help="Spec-Bench run: methods vs the HF transformers baseline")
     _questions(b)
     b.add_argument("--methods", default="hf-ar,hf-pld,ar", help="comma-separated methods (baselines: hf-ar, hf-pld, "
-                   "hf-ar-compiled, and with llama-cpp-python lcpp-ar, lcpp-ar-f32)")
+                   "hf-ar-compiled, with llama-cpp-python lcpp-ar, lcpp-ar-f32, with llama-server lcpp-spec)")
     b.add_argument("--max-new-tokens", type=int, default=BENCH_MAX_NEW_TOKENS)
     b.add_argument("--level", default=LEVEL, help="draft level of sd / tree (or per method: sd:int8)")
     b.add_argument("--repeats", type=int, default=1, help="runs per question; wall time is the median")

@@ -30,6 +30,7 @@ from dytc.sources import BOTTOMS
 from ..runtime.defaults import BENCH_MAX_NEW_TOKENS, LEVEL
 from ..runtime.engine import Engine
 from .lcpp import LCPP_METHODS, lcpp_runner
+from .lcppserver import LCPP_SPEC, lcpp_spec_runner
 from ..runtime.method_table import METHODS, MULTI_LEVEL, WITH_BOTTOM, parse_sources
 from .divergence import divergences, first_difference
 from ..calibrate.questions import Answer, Question, TurnFn
@@ -49,7 +50,7 @@ HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": PLD_NUM_TOKENS
               "hf-ar-compiled": {}}  # over a static cache of the engine's context size, which HF's generate
 # compiles (torch.compile, mode "reduce-overhead": CUDA graphs) on a GPU, the fastest HF setup there (GPU only)
 HF_COMPILED = "hf-ar-compiled"
-BASELINES = tuple(HF_METHODS) + LCPP_METHODS  # other engines' generation, beside casspec's methods
+BASELINES = tuple(HF_METHODS) + LCPP_METHODS + (LCPP_SPEC,)  # other engines' generation, beside casspec's methods
 BENCH_METHODS = BASELINES + METHODS
 
 
@@ -175,6 +176,8 @@ def make_runner(engine: Engine, method: str, level: str = LEVEL,
         raise CasspecError(f"{HF_COMPILED} needs --device cuda: HF compiles its generation step only on a GPU")
     if method in HF_METHODS:
         return _hf_runner(engine, HF_METHODS[method], sampling, static_cache=method == HF_COMPILED, seed=seed)
+    if method == LCPP_SPEC:
+        return lcpp_spec_runner(engine.source, engine.cache.capacity, engine.eos_ids, sampling, seed)
     if method in LCPP_METHODS:
         return lcpp_runner(engine.source, method.endswith("-f32"), engine.cache.capacity, engine.eos_ids, sampling,
                            seed)
@@ -354,6 +357,8 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
                 bars[m].update(1)
     for bar in bars.values():
         bar.close()
+    for run in runners.values():  # (a runner over another process, llama-server, stops it)
+        getattr(run, "close", lambda: None)()
     for m, ans in answers.items():
         with open(out / f"answers-{m}.jsonl", "w", encoding="utf-8") as f:
             for a in ans:

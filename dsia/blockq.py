@@ -71,6 +71,9 @@ FORMATS = {
 }
 
 
+FORMAT_OF = {f.code: f for f in FORMATS.values()}  # a format by its code
+
+
 def exact_in_half(t: Tensor) -> bool:
     """Whether every value of t is a finite float16 (the kernel's scales are read as float16)."""
     h = t.float().half()
@@ -134,6 +137,50 @@ class BlockLinear:
         assert int(t.min()) >= -128 and int(t.max()) <= 127, "multipliers and mins are int8"
         v = _per_tile(t.to(torch.int8), tiles)  # [tiles, blocks * per, 16]
         return v.reshape(tiles, nb, per * TILE).view(torch.uint8)
+
+    def dequantize(self, tiles: Tensor | None = None) -> Tensor:
+        """The float32 weight [out, in] these blocks hold (or the rows of `tiles` [n], [16 n, in]; rows past
+        out_features are zeros): w = D a (u + offset) + Dm b, as the file's dequantization computes it."""
+        fmt = FORMAT_OF[self.format]
+        codes = self.codes if tiles is None else self.codes[tiles]  # [t, blocks, record]
+        scales = self.scales if tiles is None else self.scales[:, tiles]  # [1 or 2, t, supers, 16]
+        t, nb = codes.shape[:2]
+        at, u = 0, torch.zeros(t, nb, GROUPS, TILE * 4, dtype=torch.int32)  # [t, blocks, groups, 16 x 4]
+        if fmt.base == 8:
+            u += codes[..., :512].reshape(t, nb, GROUPS, -1).int()
+        elif fmt.base == 4:
+            two = codes[..., :256].reshape(t, nb, GROUPS // 2, -1).int()
+            u += torch.cat((two & 15, two >> 4), dim=2)
+        at = 64 * fmt.base
+        for p in range(fmt.planes):
+            packed = codes[..., at:at + 64].reshape(t, nb, GROUPS, 8).numpy()
+            bits = np.unpackbits(packed, axis=-1, bitorder="little")  # [t, blocks, groups, 64]
+            u += torch.from_numpy(bits.astype(np.int32)) << (fmt.base + p)
+            at += 64
+        u = u.reshape(t, nb, GROUPS, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t, TILE, nb, -1)  # [t, 16, blocks, 32]
+        subs = 2 if fmt.halves else 1
+        u = u.reshape(t, TILE, nb * subs, -1).float() + fmt.offset  # [t, 16, sub-blocks, per sub-block]
+
+        def per_sub(raw: Tensor) -> Tensor:  # [t, blocks, subs * 16] int8 -> [t, 16, sub-blocks]
+            return raw.view(torch.int8).reshape(t, nb, subs, TILE).permute(0, 3, 1, 2).reshape(t, TILE, -1).float()
+
+        def per_super(s: Tensor) -> Tensor:  # [t, supers, 16] -> [t, 16, sub-blocks]
+            return s.float().transpose(1, 2).repeat_interleave(fmt.super * subs, dim=2)
+
+        scale = per_super(scales[0]) * (per_sub(codes[..., at:at + 16 * subs]) if fmt.scaled else 1.0)
+        w = scale[..., None] * u
+        if fmt.mins:
+            mins = per_super(scales[1]) * (per_sub(codes[..., -16 * subs:]) if fmt.mins == 2 else 1.0)
+            w = w + mins[..., None]
+        w = w.reshape(t * TILE, -1)
+        return w[:self.out_features] if tiles is None else w
+
+    def rows(self, index: Tensor) -> Tensor:
+        """The float32 rows `index` [n] of the weight, [n, in] (a token embedding stored in blocks: only the tiles
+        of the rows asked for are dequantized)."""
+        tiles, lanes = index // TILE, index % TILE
+        unique, inverse = torch.unique(tiles, return_inverse=True)
+        return self.dequantize(unique).reshape(len(unique), TILE, -1)[inverse, lanes]
 
     def __call__(self, x: Tensor) -> Tensor:
         return torch.ops.casspec.block_linear(x.float(), self.codes, self.scales, self.out_features,

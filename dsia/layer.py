@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -28,6 +29,9 @@ class LayerWeights:
     bias: dict[str, Tensor]  # projection name -> bias [out], only where the checkpoint has one (Qwen2: q, k, v)
     wqkv: Tensor | None = None  # [(H + 2 Hkv) hd, D] q|k|v as one weight (`fused`; wq, wk, wv are its row views)
     w_gate_up: Tensor | None = None  # [2I, D] gate|up as one weight (`fused`; w_gate, w_up are its row views)
+    # where the projections are held only as stored blocks (a native GGUF target: the fields above are meta
+    # tensors, shapes without values), the float32 weight of a projection by name, dequantized on each call
+    stored: Callable[[str], Tensor] | None = None
 
     def fused(self) -> "LayerWeights":
         """These weights with q|k|v and gate|up each concatenated into one (two products where there were five);
@@ -40,6 +44,12 @@ class LayerWeights:
         w_gate, w_up = w_gate_up.split([self.w_gate.shape[0], self.w_up.shape[0]])
         return dataclasses.replace(self, wq=wq, wk=wk, wv=wv, w_gate=w_gate, w_up=w_up, wqkv=wqkv,
                                    w_gate_up=w_gate_up)
+
+    def dense(self, name: str) -> Tensor:
+        """Projection `name`'s float weight [out, in]: the tensor held, or dequantized from the stored blocks (a
+        temporary: what builds a draft level from the weights reads it and lets it go)."""
+        w = self.projections()[name]
+        return self.stored(name) if w.is_meta and self.stored is not None else w
 
     def projections(self) -> dict[str, Tensor]:
         """Each projection's weight by name (q, k, v, o, gate, up, down), [out, in] each."""

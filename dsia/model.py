@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .blockq import BlockLinear
 from .errors import CasspecError
 from .invariant import KEYS_PER_BLOCK, block_attention, invariant_linear, row_keys
 from .cxx import LIBRARY_DTYPES
@@ -42,7 +43,7 @@ class Transformer(Variants):
         # the dense product of every target linear and the head, per token count: oneDNN where it exists for the
         # dtype, else BLAS; `with_dense` gives a view running the fastest measured on this machine
         # (casspec.calibrate.tune)
-        self.dense = DenseKernels.default(embed.dtype, embed.device)
+        self.dense = DenseKernels.default(norm.dtype, norm.device)
         self.graphs: GraphBackend | None = None  # CUDA graphs of small forwards (`with_graphs`); None runs eagerly
         self.pointwise = EAGER  # the elementwise steps (`with_pointwise`: compiled ones on a GPU)
         self.batch_invariant = False  # target forwards whose rows do not depend on each other (`with_batch_invariant`)
@@ -50,7 +51,8 @@ class Transformer(Variants):
         # the target's own kernels where the checkpoint is run in its stored quantization (`with_native`): every
         # product a plan does not replace runs them instead of the dense weights; None: the dense weights
         self.native: Plan | None = None
-        self.embed = embed  # [V, D]
+        self.embed = embed  # [V, D] (a meta tensor where the embedding is held as stored blocks, `embed_blocks`)
+        self.embed_blocks: BlockLinear | None = None  # the token embedding as a GGUF file stores it (native)
         self.layers = layers
         self.norm = norm  # [D]
         self.lm_head = lm_head  # [V, D] (may be the embedding itself when tied)
@@ -84,6 +86,19 @@ class Transformer(Variants):
         rot = inner.rotary_emb
         return Transformer(spec, inner.embed_tokens.weight.data, layers, inner.norm.weight.data,
                            model.lm_head.weight.data, rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))
+
+    def embed_rows(self, tokens: Tensor) -> Tensor:
+        """The embedding's rows of `tokens` [T]: [T, D] (dequantized from the stored blocks where it is held so)."""
+        if self.embed_blocks is not None:
+            return self.embed_blocks.rows(tokens.flatten()).to(self.dtype).reshape(*tokens.shape, -1)
+        return F.embedding(tokens, self.embed)
+
+    def dense_head(self) -> Tensor:
+        """The LM head's float weight [V, D]: the tensor held, or dequantized from the native head's blocks (a
+        temporary, for what builds a level from it)."""
+        if self.lm_head.is_meta and self.native is not None and isinstance(self.native.head, BlockLinear):
+            return self.native.head.dequantize()
+        return self.lm_head
 
     def new_cache(self, capacity: int | None = None, spare: int = 0) -> KVCache:
         s = self.spec
@@ -153,7 +168,7 @@ class Transformer(Variants):
         """Embedding, the plan's layers, final norm and head: logits [N, V] in float32."""
         s = self.spec
         cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
-        x = F.embedding(tokens, self.embed)  # [T, D] the residual stream
+        x = self.embed_rows(tokens)  # [T, D] the residual stream
         delta: Tensor | None = None  # [T, D] the last sublayer's output, added to x together with the next norm
         n_layers = s.n_layers if plan.exit_after is None else plan.exit_after
         stack = self.stacks.get(self, plan) if self.stacks is not None and kv.slots is None else None
@@ -308,10 +323,19 @@ class Transformer(Variants):
         return self._linear(i, "o", o, lw.wo, plan)
 
     def _mlp(self, i: int, lw: LayerWeights, x: Tensor, plan: Plan) -> Tensor:
+        return self.mlp_down(i, self.mlp_hidden(i, x, plan), plan)  # [T, D]
+
+    def mlp_hidden(self, i: int, x: Tensor, plan: Plan = TARGET) -> Tensor:
+        """Layer i's MLP up to silu(gate) * up of x [T, D] (after its norm), with the plan's kernels: [T, I]."""
+        lw = self.layers[i]
         gate_up = self._fused(i, "gate_up", lw.w_gate_up, FUSED_GROUPS["gate_up"], plan)
         if gate_up is not None:
             gate, up = gate_up(x).chunk(2, dim=-1)  # [T, I] each
         else:
             gate = self._linear(i, "gate", x, lw.w_gate, plan)  # [T, I]
             up = self._linear(i, "up", x, lw.w_up, plan)  # [T, I]
-        return self._linear(i, "down", self.pointwise.silu_mul(gate, up), lw.w_down, plan)  # [T, D]
+        return self.pointwise.silu_mul(gate, up)
+
+    def mlp_down(self, i: int, h: Tensor, plan: Plan = TARGET) -> Tensor:
+        """Layer i's down product of h [T, I], with the plan's kernels: [T, D]."""
+        return self._linear(i, "down", h, self.layers[i].w_down, plan)

@@ -51,7 +51,7 @@ from .cxx import build_error
 from .errors import CasspecError
 from .layer import FUSED_GROUPS
 from .model import Transformer
-from .plan import HeadFn, LinearFn, Plan
+from .plan import PROJECTIONS, HeadFn, LinearFn, Plan
 from .qkernels import (INT4_GROUP_SIZES, NF4_BLOCK_SIZES, BF16Linear, FusedLinear, Int4Linear, Int8GroupLinear,
                        Int8Linear, NF4Linear, QuantLinear, RescoredHead, W8A8Linear, _bitsandbytes, int4_fits, nf4_fits,
                        w8a8_available)
@@ -171,7 +171,7 @@ def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int]
     idx = range(model.spec.n_layers) if layers is None else sorted(set(layers))
     q = QuantizedLinears(linears={}, head=None, nbytes=0)
     for i in idx:
-        weights = model.layers[i].projections()
+        weights = {n: model.layers[i].dense(n) for n in PROJECTIONS}  # (a native target's: dequantized, temporaries)
         groups = list(FUSED_GROUPS.items()) if cfg.fuse else []
         for gname, names in groups:
             ws = [weights.pop(n) for n in names]
@@ -186,7 +186,7 @@ def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int]
             q.linears[(i, n)], q.kinds[(i, n)] = k, k.kind
             q.nbytes += k.nbytes
     if include_head:
-        q.head = quantize_head(model.lm_head, cfg.head_kind or cfg.kind, cfg)  # a copy: the embedding is untouched
+        q.head = quantize_head(model.dense_head(), cfg.head_kind or cfg.kind, cfg)  # a copy: the embedding is untouched
         q.kinds[HEAD] = q.head.kind
         q.nbytes += q.head.nbytes
     return q
@@ -296,7 +296,7 @@ class Quant(Strategy):
     def bind(self, resources: Resources) -> Switch:
         cfg = QuantConfig(self.kind)
         # bnb's state and fbgemm's packed weights are opaque: they stay in memory
-        codec = (QuantCodec(cfg, resources.model.lm_head) if not {"nf4", "w8a8"} & {cfg.kind, cfg.head_kind}
+        codec = (QuantCodec(cfg, resources.model.dense_head()) if not {"nf4", "w8a8"} & {cfg.kind, cfg.head_kind}
                  else None)
         return QuantSwitch(resources.get(("quant", cfg), lambda model: quantize_linears(model, cfg), codec))
 

@@ -124,10 +124,11 @@ class SparseMlpWeights:
         self.in_norm: dict[int, Tensor] = {}  # layer -> [D] ||[w_gate; w_up][:, d]||
         for i in layers:
             lw = model.layers[i]
-            self.down_t[i] = lw.w_down.t().contiguous().to(self.dtype)
-            self.down_norm[i] = lw.w_down.float().norm(dim=0)
-            self.gate_up_t[i] = torch.cat((lw.w_gate.t(), lw.w_up.t()), dim=1).to(self.dtype)
-            self.in_norm[i] = torch.cat((lw.w_gate, lw.w_up)).float().norm(dim=0)
+            down, gate, up = lw.dense("down"), lw.dense("gate"), lw.dense("up")  # (a native target's dequantized)
+            self.down_t[i] = down.t().contiguous().to(self.dtype)
+            self.down_norm[i] = down.float().norm(dim=0)
+            self.gate_up_t[i] = torch.cat((gate.t(), up.t()), dim=1).to(self.dtype)
+            self.in_norm[i] = torch.cat((gate, up)).float().norm(dim=0)
 
     def matches(self, model: Transformer, cfg: SparsityConfig, layers: tuple[int, ...]) -> bool:
         return self.layers == layers and self.dtype == (cfg.weight_dtype or model.dtype)
@@ -156,12 +157,12 @@ class MlpRecorder:
         return sum(t.shape[0] for t in self.h[self.layers[0]]) if self.layers else 0
 
     def _recording_mlp(self, i: int) -> MlpFn:
-        lw, dense = self.model.layers[i], self.model.dense  # the target's own kernels: bit-identical outputs
+        model = self.model  # the target's own kernels (dense or native): bit-identical outputs
 
-        def mlp(x: Tensor) -> Tensor:  # the ops of Transformer._mlp (this family has no MLP biases)
-            h = F.silu(dense(x, lw.w_gate)) * dense(x, lw.w_up)  # [T, I]
+        def mlp(x: Tensor) -> Tensor:  # Transformer._mlp, recording the MLP's hidden activations on the way
+            h = model.mlp_hidden(i, x)  # [T, I]
             self._record(i, x, h)
-            return dense(h, lw.w_down)  # [T, D]
+            return model.mlp_down(i, h)  # [T, D]
 
         return mlp
 

@@ -99,11 +99,11 @@ class Variants:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype  # (the norms are always held: a native target's embedding may be blocks alone)
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
 
     def with_context(self, positions: int) -> Self:
         """The same weights with RoPE tables for `positions` positions (the context a run uses, never the file's

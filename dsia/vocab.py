@@ -93,7 +93,7 @@ class Vocab(Strategy):
         return "vocab"
 
     def bind(self, resources: Resources) -> Switch:
-        return VocabSwitch(VocabHead(resources.model.lm_head, VocabConfig()))
+        return VocabSwitch(VocabHead(resources.model.dense_head(), VocabConfig()))
 
 
 class VocabSwitch(Switch):

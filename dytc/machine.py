@@ -2,6 +2,7 @@
 fast, cores and threads, GPU, torch and transformers versions (named with every profile, plane, tuning and result)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 from importlib import metadata
@@ -47,6 +48,15 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def release_free_memory() -> None:
+    """Hand the heap's freed pages back to the system (glibc's malloc_trim: after a load's transient buffers, so
+    that resident memory is what the process holds; nothing where the C library has no such call)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def machine_info(device: str = "cpu") -> dict:

@@ -235,13 +235,32 @@ def test_the_tensors_of_the_tiny_model_cannot_share_bytes(tmp_path, monkeypatch)
     assert not any((tmp_path / "cache").glob("gguf-*/model.safetensors"))
 
 
-def test_native_checks_the_file_before_gguf_reads_it(tmp_path):
-    from casspec.loading.native import native_plan
+def test_native_checks_the_file_before_gguf_reads_it(tmp_path, monkeypatch):
+    from casspec.loading.checkpoints import load
 
+    monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "bad.gguf"
     path.write_bytes(forty_nine_bytes())
     with pytest.raises(CasspecError, match="bad.gguf is not a valid GGUF file"):
-        native_plan(path, tiny_engine_model())
+        load(str(path), native=True)
+
+
+def test_native_refuses_tensors_of_the_wrong_shape_with_one_line(tmp_path, monkeypatch):
+    """A native target reads the file's tensors itself: a tensor whose shape the model's config does not give (its
+    dims swapped) is one CasspecError line, not a kernel's size error later."""
+    from casspec.loading.checkpoints import load
+
+    monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path / "cache"))
+    path = tiny_gguf(tmp_path / "m.gguf", dim=64, qtype="Q8_0", pad_vocab=13)
+    raw = bytearray(path.read_bytes())
+    at = raw.index(gstr("blk.0.ffn_down.weight")) + len(gstr("blk.0.ffn_down.weight")) + 4  # (past its dim count)
+    struct.pack_into("<QQ", raw, at, *reversed(struct.unpack_from("<QQ", raw, at)))
+    edited = tmp_path / "swapped.gguf"
+    edited.write_bytes(bytes(raw))
+    with pytest.raises(CasspecError, match=r"blk\.0\.ffn_down\.weight has shape \(128, 64\) where the model's "
+                                           r"config gives \(64, 128\)") as e:
+        load(str(edited), native=True)
+    assert "\n" not in str(e.value)
 
 
 def tiny_engine_model():

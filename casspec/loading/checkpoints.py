@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from dsia.errors import CasspecError, warn  # noqa: E402
 from dsia.model import Transformer  # noqa: E402
+from dsia.plan import Plan  # noqa: E402
 from dsia.spec import ModelSpec, check_config_fields  # noqa: E402
 
 from .ggufcheck import GGUFFile  # noqa: E402
@@ -56,6 +57,7 @@ class Loaded:
     runtime: Transformer | None = None  # the runtime read directly from the files (None: wrap `model`)
     generation_eos: tuple[int, ...] = ()  # generation_config's EOS ids (the HF model carries them when loaded)
     source: Path | None = None  # the checkpoint loaded: a folder or a .gguf file (what llama.cpp can run)
+    native: Plan | None = None  # the target's kernels over the GGUF's stored blocks (`native=True`; nativeload.py)
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -365,14 +367,20 @@ def _load_random(shape: str, dtype: torch.dtype, device: torch.device) -> Loaded
 
 
 def load(model: str | os.PathLike | None, dtype: str | torch.dtype = "float32",
-         device: str | torch.device = "cpu", hf: bool = True) -> Loaded:
+         device: str | torch.device = "cpu", hf: bool = True, native: bool = False) -> Loaded:
     """Load a checkpoint: None (embedded default), an HF folder, a .gguf file, or random:SHAPE (random weights of
     a real model's shape, for profiling). Local files only. hf=False: no HF model where the runtime can read the
-    checkpoint itself (Loaded.model is then None: faster, for callers that run only casspec's runtime)."""
+    checkpoint itself (Loaded.model is then None: faster, for callers that run only casspec's runtime). native: a
+    GGUF's stored blocks as the target's kernels, no float copy (nativeload.py; float32 on the CPU)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
         return _load_random(model[len(RANDOM_PREFIX):], dt, dev)
+    if native:
+        from .nativeload import load_native  # (its own reader: no float copy)
+
+        gguf = embedded_gguf() if model is None else Path(model).expanduser()
+        return Loaded(model=None, name=EMBEDDED_NAME if model is None else gguf.stem, **load_native(gguf, dt, dev))
     if model is None:
         gguf = embedded_gguf()
         return dataclasses.replace(_load_gguf(gguf, dt, dev, EMBEDDED_NAME, hf), source=gguf)

@@ -91,7 +91,7 @@ class Engine:
         Engine's (its fields may also be given as keywords: max_context=512, kernels="blas", ...)."""
         opts = _options(options, overrides)  # (checked before anything loads)
         t0 = time.perf_counter()
-        loaded = load(model, dtype, device, hf)
+        loaded = load(model, dtype, device, hf, native=opts.weights == "native")
         load_s = time.perf_counter() - t0
         engine = cls(loaded, opts)
         if opts.autoprofile:
@@ -257,6 +257,7 @@ class Engine:
                 policy = wrap(policy)
             stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
             stats.resident_mb = resident_bytes() / 2**20
+            stats.weights_mb = self.model.weight_bytes() / 2**20
             out: list[int] = []
             text = TextStream(self.decode, req.stop)
             t0 = time.perf_counter()

@@ -41,6 +41,7 @@ class Stats:
     # profile (the engine's, reported by its first generation) and levels (built or read back for this one)
     resident_mb: float = 0.0  # the process's resident memory as the generation started (weights, the levels built,
     # caches; 0 where the system does not say)
+    weights_mb: float = 0.0  # of it, the target's weights as its forward reads them (a native target: its blocks)
 
     @contextmanager
     def timer(self, phase: str) -> Iterator[None]:
@@ -106,7 +107,8 @@ class Stats:
     def setup_summary(self) -> str:
         """One line: the set-up time before this generation, by phase (not counted in its tokens/s)."""
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.setup.items())
-        memory = f"; resident memory {self.resident_mb:.0f} MB" if self.resident_mb > 0 else ""
+        memory = (f"; resident memory {self.resident_mb:.0f} MB (target weights {self.weights_mb:.0f} MB)"
+                  if self.resident_mb > 0 else "")
         return f"setup {sum(self.setup.values()):.2f}s ({phases}), not counted in the generation's speed{memory}"
 
     def summary(self) -> str:

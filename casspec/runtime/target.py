@@ -17,7 +17,7 @@ from dsia.pointwise import compiled_pointwise
 from dsia.spec import DEFAULT_CONTEXT
 
 from ..loading.checkpoints import Loaded
-from ..loading.native import WEIGHTS, block_kernel, native_plan
+from ..loading.native import WEIGHTS, block_kernel
 from ..calibrate.tune import kernels_for
 
 
@@ -72,10 +72,10 @@ def build_target(loaded: Loaded, opts: EngineOptions) -> Target:
         raise CasspecError(f"unknown weights {opts.weights!r}: use one of {', '.join(WEIGHTS)}")
     native = opts.weights == "native"
     if native:
-        if loaded.source is None or loaded.source.suffix.lower() != ".gguf":
+        if loaded.native is None:
             raise CasspecError("--weights native runs a quantized GGUF file: pass --model FILE.gguf (or the "
                                "embedded default), or use --weights float")
-        model = model.with_native(native_plan(loaded.source, model))
+        model = model.with_native(loaded.native)
     cuda = model.device.type == "cuda"
     fuse = cuda if opts.fuse_projections is None else opts.fuse_projections
     if fuse:

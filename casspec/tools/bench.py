@@ -27,6 +27,7 @@ from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 from dytc.sources import BOTTOMS
 
+from ..loading.checkpoints import load
 from ..runtime.defaults import BENCH_MAX_NEW_TOKENS, LEVEL
 from ..runtime.engine import Engine
 from .lcpp import LCPP_METHODS, lcpp_runner
@@ -123,7 +124,8 @@ STAT_SUMS = ("reused_tokens", "prefill_seconds", "draft_seconds", "draft_forward
 
 def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams, static_cache: bool = False,
                seed: int = SAMPLING_SEED) -> TurnFn:
-    model = engine.hf_model
+    # (a native engine holds no float model: the HF baseline loads the same file's, dequantized)
+    model = engine.hf_model if engine.hf_model is not None else load(engine.source, "float32", engine.device).model
     cache = None
     if static_cache:  # one cache for every turn: a fixed shape, so HF compiles its step once
         from transformers import StaticCache

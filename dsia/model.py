@@ -100,6 +100,12 @@ class Transformer(Variants):
             return self.native.head.dequantize()
         return self.lm_head
 
+    def head_rows(self, tokens: Tensor) -> Tensor:
+        """The LM head's float rows of `tokens` [n]: [n, D] (from the native head's blocks where it is held so)."""
+        if self.lm_head.is_meta and self.native is not None and isinstance(self.native.head, BlockLinear):
+            return self.native.head.rows(tokens)
+        return self.lm_head.index_select(0, tokens)
+
     def new_cache(self, capacity: int | None = None, spare: int = 0) -> KVCache:
         s = self.spec
         cap = min(capacity or self.context, self.context)

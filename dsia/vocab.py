@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Iterable
+from typing import Callable, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -36,14 +36,16 @@ class VocabConfig:
 class VocabHead:
     """A HeadFn over a growing subset of the vocabulary: h [N, D] -> logits [N, V] (-inf outside)."""
 
-    def __init__(self, lm_head: Tensor, cfg: VocabConfig = VocabConfig()) -> None:
+    def __init__(self, head_rows: Callable[[Tensor], Tensor], shape: tuple[int, int], device: torch.device,
+                 cfg: VocabConfig = VocabConfig()) -> None:
         self.cfg = cfg
-        self.lm_head = lm_head  # [V, D], the target's head (never modified)
-        V, D = lm_head.shape
+        self.head_rows = head_rows  # token ids [n] -> the target's head rows [n, D] (Transformer.head_rows)
+        V, D = shape
         self.vocab_size = V
+        self.device = device
         cap = min(cfg.capacity, V)
-        self.rows = torch.empty(cap, D, dtype=cfg.dtype, device=lm_head.device)  # [cap, D] gathered head rows
-        self.ids = torch.empty(cap, dtype=torch.long, device=lm_head.device)  # [cap] their token ids
+        self.rows = torch.empty(cap, D, dtype=cfg.dtype, device=device)  # [cap, D] gathered head rows
+        self.ids = torch.empty(cap, dtype=torch.long, device=device)  # [cap] their token ids
         self.member = torch.zeros(V, dtype=torch.bool)  # [V] is the token in the subset
         self.n = 0
         self.add(range(min(cfg.frequent, cap)))
@@ -58,8 +60,8 @@ class VocabHead:
         new = new[: self.rows.shape[0] - self.n]
         if not new:
             return
-        idx = torch.tensor(new, dtype=torch.long, device=self.lm_head.device)
-        self.rows[self.n:self.n + len(new)] = self.lm_head.index_select(0, idx).to(self.cfg.dtype)
+        idx = torch.tensor(new, dtype=torch.long, device=self.device)
+        self.rows[self.n:self.n + len(new)] = self.head_rows(idx).to(self.cfg.dtype)
         self.ids[self.n:self.n + len(new)] = idx
         self.member[idx.cpu()] = True
         self.n += len(new)
@@ -93,7 +95,8 @@ class Vocab(Strategy):
         return "vocab"
 
     def bind(self, resources: Resources) -> Switch:
-        return VocabSwitch(VocabHead(resources.model.dense_head(), VocabConfig()))
+        m = resources.model
+        return VocabSwitch(VocabHead(m.head_rows, tuple(m.lm_head.shape), m.device, VocabConfig()))
 
 
 class VocabSwitch(Switch):

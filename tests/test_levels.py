@@ -209,7 +209,8 @@ def test_kv_writes_and_memory_follow_the_switches(rt):
 
 def test_vocab_head_scores_subset_exactly():
     head = torch.randn(50, 8)
-    vh = VocabHead(head, VocabConfig(frequent=10, capacity=20, dtype=torch.float32))
+    vh = VocabHead(lambda idx: head.index_select(0, idx), (50, 8), head.device,
+                   VocabConfig(frequent=10, capacity=20, dtype=torch.float32))
     vh.add([30, 31, 30, 3])
     assert vh.n == 12
     h = torch.randn(2, 8)

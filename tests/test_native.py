@@ -132,6 +132,7 @@ def test_a_native_target_holds_no_float_copy_and_dequantizes_on_demand(engines):
     assert torch.equal(m.dense_head(), d.lm_head)
     tokens = torch.tensor([[5, 9], [3, 5]])
     assert torch.equal(m.embed_rows(tokens), d.embed[tokens])
+    assert torch.equal(m.head_rows(tokens[0]), d.lm_head[tokens[0]])  # (a vocab level's rows: from the blocks)
     assert m.weight_bytes() == sum(k.nbytes for k in {id(k): k for k in (
         *m.native.linears.values(), *[f.kernel for f in m.native.fused.values()], m.native.head)}.values()) + sum(
         t.numel() * 4 for t in [m.norm] + [n for lw in m.layers for n in (lw.attn_norm, lw.mlp_norm)])

@@ -165,6 +165,8 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, sca
     synthetic weights of a real file's layout and shape, where gguf's writer has no quantizer for the type (its
     K-quants). -> [rows, bytes per row] uint8."""
     per = 256 if kind.endswith("_K") else 32
+    if cols % per:
+        raise ValueError(f"{kind} rows are whole blocks of {per} weights, not {cols}")
     data = rng.integers(0, 256, (rows, cols // per, BLOCK_BYTES[kind]), dtype=np.uint8)
     for at in SCALES_AT[kind]:
         half = np.abs(rng.normal(0, scale, (rows, cols // per))).astype(np.float16)

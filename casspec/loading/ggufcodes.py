@@ -91,47 +91,41 @@ def _q3_scales(s: np.ndarray) -> np.ndarray:
 
 
 def _u_small(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """The codes of 32-weight blocks [out, nb, bytes] -> [out, nb, 32]."""
-    qs = blocks[..., -16:].astype(np.int32) if kind != "Q8_0" else None
+    """The codes of 32-weight blocks [out, nb, bytes] -> uint8 [out, nb, 32]."""
     if kind == "Q8_0":
-        return blocks[..., 2:].view(np.int8).astype(np.int32) + 128
+        return blocks[..., 2:] ^ np.uint8(0x80)  # q + 128 (int8 q's two's complement bits, the top one flipped)
+    qs = blocks[..., -16:]
     u = np.concatenate((qs & 15, qs >> 4), axis=-1)  # element j in the low nibble of byte j, j + 16 in the high
     if kind in ("Q5_0", "Q5_1"):
         at = 2 if kind == "Q5_0" else 4
-        qh = blocks[..., at:at + 4].copy().view(np.uint32).astype(np.int64)  # [out, nb, 1]
-        u = u | (((qh >> np.arange(32)) & 1) << 4).astype(np.int32)
+        u |= np.unpackbits(blocks[..., at:at + 4], axis=-1, bitorder="little") << 4  # bit j of qh: element j's fifth
     return u
 
 
 def _u_k(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """The codes of K-quant super-blocks [out, nb, bytes] -> [out, nb, 256] (ggml-quants.c's dequantize_row_*)."""
-    b = blocks.astype(np.int32)
-    out, nb = b.shape[:2]
-    u = np.zeros((out, nb, 256), np.int32)
-    l16, l32 = np.arange(16), np.arange(32)
-    if kind in ("Q2_K", "Q3_K"):
-        qs = b[..., 16:80] if kind == "Q2_K" else b[..., 32:96]
-        for n in range(2):
-            for j in range(4):
-                for h in range(2):
-                    e = 128 * n + 32 * j + 16 * h + l16
-                    u[..., e] = _bits(qs[..., 32 * n + 16 * h + l16], 2 * j, 2)
-                    if kind == "Q3_K":
-                        u[..., e] += 4 * _bits(b[..., 16 * h + l16], 4 * n + j, 1)
-    elif kind in ("Q4_K", "Q5_K"):
-        qs = b[..., 16:144] if kind == "Q4_K" else b[..., 48:176]
-        for c in range(4):
-            for h in range(2):
-                e = 64 * c + 32 * h + l32
-                u[..., e] = _bits(qs[..., 32 * c + l32], 4 * h, 4)
-                if kind == "Q5_K":
-                    u[..., e] += 16 * _bits(b[..., 16 + l32], 2 * c + h, 1)
-    else:  # Q6_K: ql [128], qh [64], scales [16], d
-        for n in range(2):
-            for k in range(4):
-                low = _bits(b[..., 64 * n + 32 * (k % 2) + l32], 4 * (k // 2), 4)
-                u[..., 128 * n + 32 * k + l32] = low | (_bits(b[..., 128 + 32 * n + l32], 2 * k, 2) << 4)
-    return u
+    """The codes of K-quant super-blocks [out, nb, bytes] -> uint8 [out, nb, 256] (ggml-quants.c's dequantize_row_*:
+    element e of a super-block, as the index expressions below lay it out)."""
+    out, nb = blocks.shape[:2]
+    if kind in ("Q2_K", "Q3_K"):  # e = 128 n + 32 j + 16 h + l: bits 2j of qs[32 n + 16 h + l]
+        qs = (blocks[..., 16:80] if kind == "Q2_K" else blocks[..., 32:96]).reshape(out, nb, 2, 1, 2, 16)
+        u = (qs >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)) & 3  # [out, nb, n, j, h, l]
+        if kind == "Q3_K":  # + 4 where bit 4 n + j of hmask[16 h + l] is set
+            hm = blocks[..., 0:32].reshape(out, nb, 1, 1, 2, 16)
+            shift = (4 * np.arange(2, dtype=np.uint8)[:, None] + np.arange(4, dtype=np.uint8)).reshape(2, 4, 1, 1)
+            u = u + (((hm >> shift) & 1) << 2)
+    elif kind in ("Q4_K", "Q5_K"):  # e = 64 c + 32 h + l: nibble h of qs[32 c + l] (+ 16: bit 2 c + h of qh[l])
+        qs = (blocks[..., 16:144] if kind == "Q4_K" else blocks[..., 48:176]).reshape(out, nb, 4, 1, 32)
+        u = (qs >> (4 * np.arange(2, dtype=np.uint8)).reshape(2, 1)) & 15  # [out, nb, c, h, l]
+        if kind == "Q5_K":
+            bits = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")  # [out, nb, l, bit]
+            u = u | (bits.transpose(0, 1, 3, 2).reshape(out, nb, 4, 2, 32) << 4)
+    else:  # Q6_K, e = 128 n + 32 k + l: nibble k // 2 of ql[64 n + 32 (k % 2) + l], bits 2k of qh[32 n + l]
+        ql = blocks[..., 0:128].reshape(out, nb, 2, 1, 2, 32)
+        low = (ql >> (4 * np.arange(2, dtype=np.uint8)).reshape(2, 1, 1)) & 15  # [out, nb, n, k // 2, k % 2, l]
+        qh = blocks[..., 128:192].reshape(out, nb, 2, 1, 32)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [out, nb, n, k, l]
+        u = low.reshape(out, nb, 2, 4, 32) | (high << 4)
+    return np.ascontiguousarray(u).reshape(out, nb, 256)
 
 
 def decode(kind: str, data: np.ndarray) -> Codes:
@@ -156,7 +150,7 @@ def decode(kind: str, data: np.ndarray) -> Codes:
             a, b, D, Dm = i8(sc), i8(mn), _half(blocks, 0), -_half(blocks, 2)
         else:  # Q6_K
             a, D = i8(blocks[..., 192:208].view(np.int8)), _half(blocks, 208)
-    u = torch.from_numpy(u.astype(np.uint8)).reshape(out, -1)
+    u = torch.from_numpy(np.ascontiguousarray(u, dtype=np.uint8)).reshape(out, -1)
     return Codes(kind, u, D, Dm, a, b)
 
 

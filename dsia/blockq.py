@@ -18,6 +18,7 @@ TILE = 16  # outputs per tile (the kernel's float lanes)
 LAYOUT = 3  # bumped when BlockLinear's tensors change (stored level copies are then built again; 3: block formats)
 GROUPS = WEIGHTS_PER_BLOCK // 4  # groups of 4 inputs per block
 HALF_TINY = 2.0 ** -24  # the smallest scale a weight's blocks get (float16's smallest subnormal)
+SCALE_SEARCH = (2.5, 3.0, 3.5, 4.0, 4.5)  # q3_blocks: a block's max |w| over each of these, the best scale kept
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class BlockFormat:
         << 10 | -offset << 16)."""
         return (self.base | self.planes << 4 | int(self.scaled) << 6 | int(self.halves) << 7 | self.mins << 8
                 | (self.super.bit_length() - 1) << 10 | -self.offset << 16)
+
+    @staticmethod
+    def from_code(code: int) -> "BlockFormat":
+        """The format of an op's code (the inverse of `code`)."""
+        return BlockFormat(code & 15, code >> 4 & 3, bool(code >> 6 & 1), bool(code >> 7 & 1), code >> 8 & 3,
+                           1 << (code >> 10 & 7), -(code >> 16))
 
     @property
     def bits(self) -> int:
@@ -69,9 +76,6 @@ FORMATS = {
     "Q5_K": BlockFormat(4, 1, scaled=True, mins=2, super=8),
     "Q6_K": BlockFormat(4, 2, scaled=True, halves=True, super=8, offset=-32),
 }
-
-
-FORMAT_OF = {f.code: f for f in FORMATS.values()}  # a format by its code
 
 
 def exact_in_half(t: Tensor) -> bool:
@@ -141,7 +145,7 @@ class BlockLinear:
     def dequantize(self, tiles: Tensor | None = None) -> Tensor:
         """The float32 weight [out, in] these blocks hold (or the rows of `tiles` [n], [16 n, in]; rows past
         out_features are zeros): w = D a (u + offset) + Dm b, as the file's dequantization computes it."""
-        fmt = FORMAT_OF[self.format]
+        fmt = BlockFormat.from_code(self.format)
         codes = self.codes if tiles is None else self.codes[tiles]  # [t, blocks, record]
         scales = self.scales if tiles is None else self.scales[:, tiles]  # [1 or 2, t, supers, 16]
         t, nb = codes.shape[:2]
@@ -210,3 +214,48 @@ def q8_0_blocks(w: Tensor, kind: str = "int8") -> BlockLinear:
     d = (g.abs().amax(dim=2) / 127).clamp(min=HALF_TINY).half().float()  # [out, blocks], float16 values
     q = (g / d[..., None]).round().clamp(-127, 127)
     return BlockLinear(q.reshape(out, n_in) + 128, FORMATS["Q8_0"], d, kind=kind)
+
+
+def _per_super(s: Tensor, per: int) -> Tensor:
+    """The largest of `s` [out, blocks] over each super-block of `per` blocks, as a float16 scale of 127 steps:
+    [out, blocks / per] (float16 values, at least HALF_TINY)."""
+    out, nb = s.shape
+    return (s.reshape(out, nb // per, per).amax(-1) / 127).clamp(min=HALF_TINY).half().float()
+
+
+def q3_blocks(w: Tensor, kind: str = "int3") -> BlockLinear:
+    """w [out, in] re-quantized to 3 bits a weight (a draft level read from fewer bytes than a 4-5 bit target):
+    per block of 32 a symmetric scale s held as an int8 multiple a of its super-block's float16 D (super-blocks of
+    256 where the rows are whole ones, else the block), w ~ D a (u - 4), u in [0, 7]; s = max |w| / c, c of
+    SCALE_SEARCH the one of least squared error in each block (round to nearest clips the largest weights less)."""
+    out, n_in = w.shape
+    per = 8 if n_in % 256 == 0 else 1
+    g = w.detach().float().reshape(out, n_in // WEIGHTS_PER_BLOCK, WEIGHTS_PER_BLOCK)  # [out, blocks, 32]
+    amax = g.abs().amax(-1)  # [out, blocks]
+    tries = torch.stack([amax / c for c in SCALE_SEARCH])  # [tries, out, blocks]
+    err = torch.stack([((g / s.clamp(min=1e-30)[..., None]).round().clamp(-4, 3) * s[..., None] - g).square().sum(-1)
+                       for s in tries])
+    s = tries.gather(0, err.argmin(0)[None])[0]
+    D = _per_super(s, per)  # [out, supers]
+    a = (s / D.repeat_interleave(per, 1)).round().clamp(1, 127)  # [out, blocks]
+    step = (D.repeat_interleave(per, 1) * a)[..., None]
+    u = (g / step).round().clamp(-4, 3) + 4
+    return BlockLinear(u.reshape(out, n_in), BlockFormat(0, 3, scaled=True, super=per, offset=-4), D, a=a, kind=kind)
+
+
+def q2_blocks(w: Tensor, kind: str = "int2") -> BlockLinear:
+    """w [out, in] re-quantized to 2 bits a weight: per block of 32 w ~ s u - m (s = (max - min) / 3, m = -min, the
+    range widened to hold 0), each an int8 multiple of its super-block's float16 D / Dmin; u in [0, 3]."""
+    out, n_in = w.shape
+    per = 8 if n_in % 256 == 0 else 1
+    g = w.detach().float().reshape(out, n_in // WEIGHTS_PER_BLOCK, WEIGHTS_PER_BLOCK)  # [out, blocks, 32]
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)  # [out, blocks]
+    s, m = (hi - lo) / 3, -lo
+    D, Dmin = _per_super(s, per), _per_super(m, per)
+    a = (s / D.repeat_interleave(per, 1)).round().clamp(1, 127)
+    b = (m / Dmin.repeat_interleave(per, 1)).round().clamp(0, 127)
+    step = (D.repeat_interleave(per, 1) * a)[..., None]
+    offset = (Dmin.repeat_interleave(per, 1) * b)[..., None]
+    u = ((g + offset) / step).round().clamp(0, 3)
+    return BlockLinear(u.reshape(out, n_in), BlockFormat(0, 2, scaled=True, mins=2, super=per), D, -Dmin, a, b,
+                       kind=kind)

@@ -46,7 +46,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .blockq import WEIGHTS_PER_BLOCK, LAYOUT, BlockLinear, q4_1_blocks, q8_0_blocks
+from .blockq import WEIGHTS_PER_BLOCK, LAYOUT, BlockLinear, q2_blocks, q3_blocks, q4_1_blocks, q8_0_blocks
 from .cxx import build_error
 from .errors import CasspecError
 from .layer import FUSED_GROUPS
@@ -57,9 +57,11 @@ from .qkernels import (INT4_GROUP_SIZES, NF4_BLOCK_SIZES, BF16Linear, FusedLinea
                        w8a8_available)
 from .strategy import HasBytes, Resources, Strategy, Switch
 
-KINDS = ("int8", "int4", "nf4", "w8a8", "bf16")  # body kinds, each a level name
+KINDS = ("int8", "int4", "int3", "int2", "nf4", "w8a8", "bf16")  # body kinds, each a level name
 HEAD_KINDS = KINDS + ("int8g", "int4r")  # LM head kinds
-BLOCK_KINDS = ("int8", "int4", "int8g")  # kinds casspec's block kernel runs (int4r's 4-bit copy too): Q8_0, Q4_1, Q8_0
+BLOCK_KINDS = ("int8", "int4", "int3", "int2", "int8g")  # kinds casspec's block kernel runs (int4r's 4-bit copy
+# too): Q8_0, Q4_1, 3 and 2 bits a weight (blockq.q3_blocks / q2_blocks), Q8_0
+BLOCK_ONLY = ("int3", "int2")  # kinds only casspec's block kernel runs
 HEAD = "head"  # key of the LM head in QuantizedLinears.kinds
 HALF_SAFE = 6.0e4  # the block kernel takes weights below this magnitude (float16 scales and minima; max 65504)
 
@@ -122,7 +124,11 @@ def quantize_weight(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear:
     """One quantized copy of w [out, in]: casspec's block kernel where `blocks_for`; else torch's kernels, where
     int4/int8g/nf4 fall back to int8 for shapes theirs cannot take."""
     if blocks_for(w, kind, cfg):
-        return q4_1_blocks(w, kind) if kind == "int4" else q8_0_blocks(w, kind)
+        build = {"int4": q4_1_blocks, "int3": q3_blocks, "int2": q2_blocks}.get(kind, q8_0_blocks)
+        return build(w, kind)
+    if kind in BLOCK_ONLY:
+        raise CasspecError(f"{kind} runs on casspec's block kernel (a CPU where its C++ library builds, rows of whole "
+                           f"blocks of 32); this weight [{w.shape[0]}, {w.shape[1]}] on {w.device} cannot: use int4")
     out, n_in = w.shape
     if kind == "int8g" and w.device.type != "cpu":
         kind = "int8"  # the grouped int8 kernel is CPU-only; per-channel int8 is its GPU stand-in (e.g. for heads)

@@ -118,3 +118,26 @@ def test_it_holds_the_stored_bits_and_keeps_other_dtypes():
         BlockLinear(u + 16, FORMATS["Q4_0"], torch.rand(64, 18).half().float())
     x = torch.randn(3, 576)
     assert k(x.bfloat16()).dtype == torch.bfloat16 and torch.equal(k(x.bfloat16()), k(x.bfloat16().float()).bfloat16())
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("n_in", [512, 576])  # (whole super-blocks of 256, and not: per-block scales)
+def test_lower_bit_requantization_is_its_arithmetic_and_close_to_the_weight(bits, n_in):
+    """int3 / int2 levels (q3_blocks, q2_blocks): the kernel multiplies what they hold (float64 reference of their
+    own codes, every instruction set), and they hold the weight to within 3-bit / 2-bit round-to-nearest's error."""
+    from dsia.blockq import q2_blocks, q3_blocks
+
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(48, n_in, generator=g) * 0.05  # (whole tiles of 16 outputs: no padding in the bytes)
+    k = (q3_blocks if bits == 3 else q2_blocks)(w)
+    fmt = BlockFormat.from_code(k.format)
+    assert fmt.bits == bits and fmt.super == (8 if n_in % 256 == 0 else 1)
+    assert k.nbytes * 8 / w.numel() < bits + 1.6  # (its multipliers, mins and scales beside the codes)
+    err = ((k.dequantize() - w).norm() / w.norm()).item()
+    assert err < (0.21 if bits == 3 else 0.42)
+    x = torch.randn(5, n_in, generator=g)
+    y = k(x)
+    assert torch.allclose(y, x @ k.dequantize().T, rtol=0.05, atol=0.05 * y.abs().max().item())  # (8-bit activations)
+    for isa in isas():
+        assert torch.equal(torch.ops.casspec.block_linear(x, k.codes, k.scales, k.out_features, k.format, isa), y)
+    assert all(BlockFormat.from_code(f.code) == f for f in FORMATS.values())

@@ -114,7 +114,7 @@ def test_profile_command_rejects_a_bad_out_before_loading(tmp_path, capsys):
     from casspec.cli import main
 
     assert main(["profile", "--out", str(tmp_path / "p.txt")]) == 2
-    assert main(["profile", "--levels", "int3", "--out", str(tmp_path / "p.json")]) == 2
+    assert main(["profile", "--levels", "int5", "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert ".json" in err and "unknown level" in err
 

@@ -31,7 +31,7 @@ def test_names_round_trip(name):
     assert LevelConfig.parse("+".join(reversed(name.split("+")))).name == name  # any order, one canonical name
 
 
-@pytest.mark.parametrize("bad", ["int3", "skip1.5", "skip0", "exit0", "sparse1", "int4+int8", "", "int4+",
+@pytest.mark.parametrize("bad", ["int5", "skip1.5", "skip0", "exit0", "sparse1", "int4+int8", "", "int4+",
                                  "vocab+vocab", "fast"])
 def test_bad_names_get_a_clear_error(bad):
     with pytest.raises(CasspecError, match="unknown level"):
@@ -39,7 +39,8 @@ def test_bad_names_get_a_clear_error(bad):
 
 
 # ---------------------------------------------------------------------- the registry
-EXAMPLES = {"int8": "int8", "int4": "int4", "nf4": "nf4", "w8a8": "w8a8", "bf16": "bf16",
+EXAMPLES = {"int8": "int8", "int4": "int4", "int3": "int3", "int2": "int2", "nf4": "nf4", "w8a8": "w8a8",
+            "bf16": "bf16",
             "skipR (0 < R < 1)": "skip0.3", "exitL (1 <= L < layers)": "exit2", "sparseS (0 < S < 1)": "sparse0.5",
             "vocab": "vocab"}  # form -> name
 
@@ -61,9 +62,9 @@ def test_a_mix_in_any_order_gets_the_canonical_name():
 def test_an_unknown_part_lists_the_registered_forms():
     with pytest.raises(CasspecError) as e:
         LevelConfig.parse("int4+fast")
-    assert str(e.value) == ("unknown level 'int4+fast' ('fast' is not a level form): use int8, int4, nf4, w8a8, bf16, "
-                            "skipR (0 < R < 1), exitL (1 <= L < layers), sparseS (0 < S < 1), vocab, or mixes "
-                            "joined by '+', e.g. int4+sparse0.5")
+    assert str(e.value) == ("unknown level 'int4+fast' ('fast' is not a level form): use int8, int4, int3, int2, "
+                            "nf4, w8a8, bf16, skipR (0 < R < 1), exitL (1 <= L < layers), sparseS (0 < S < 1), vocab, "
+                            "or mixes joined by '+', e.g. int4+sparse0.5")
     with pytest.raises(CasspecError, match=r"skip is given twice"):
         LevelConfig.parse("skip0.2+int8+skip0.3")
 

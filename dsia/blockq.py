@@ -179,6 +179,14 @@ class BlockLinear:
         w = w.reshape(t * TILE, -1)
         return w[:self.out_features] if tiles is None else w
 
+    def scores(self, h: Tensor, tokens: Tensor) -> Tensor:
+        """h [N, in] times the rows `tokens` [N, k] of each h's own: [N, k], the bits the whole product gives there
+        (each output lane is computed alone: only the tiles holding the rows asked for are multiplied)."""
+        tiles, where = torch.unique(tokens // TILE, return_inverse=True)  # [U], [N, k]
+        sub = torch.ops.casspec.block_linear(h.float().contiguous(), self.codes[tiles], self.scales[:, tiles],
+                                             TILE * len(tiles), self.format)  # [N, 16 U]
+        return sub.gather(1, where * TILE + tokens % TILE)
+
     def rows(self, index: Tensor) -> Tensor:
         """The float32 rows `index` [n] of the weight, [n, in] (a token embedding stored in blocks: only the tiles
         of the rows asked for are dequantized)."""

@@ -100,6 +100,13 @@ class Transformer(Variants):
             return self.native.head.dequantize()
         return self.lm_head
 
+    def head_source(self) -> Tensor | BlockLinear:
+        """What a head's exact rows are read from: the LM head tensor, or the native head's blocks where that is all
+        the model holds of it (never a float copy)."""
+        if self.lm_head.is_meta and self.native is not None and isinstance(self.native.head, BlockLinear):
+            return self.native.head
+        return self.lm_head
+
     def head_rows(self, tokens: Tensor) -> Tensor:
         """The LM head's float rows of `tokens` [n]: [n, D] (from the native head's blocks where it is held so)."""
         if self.lm_head.is_meta and self.native is not None and isinstance(self.native.head, BlockLinear):

@@ -226,15 +226,18 @@ class RescoredHead:
 
     kind = "int4r"
 
-    def __init__(self, coarse: Int4Linear, w: Tensor) -> None:
+    def __init__(self, coarse: Int4Linear, w: Tensor | BlockLinear) -> None:
         self.coarse = coarse
-        self.w = w  # [V, D] the target's LM head
-        self.k = min(SHORTLIST, w.shape[0])
+        self.w = w  # [V, D] the target's LM head (a native target's: its head's blocks)
+        self.k = min(SHORTLIST, w.out_features if isinstance(w, BlockLinear) else w.shape[0])
 
     def __call__(self, h: Tensor) -> Tensor:
         logits = self.coarse(h)  # [N, V]
         _, top = top_k(logits, self.k, SHORTLIST_BLOCK)  # [N, k]
-        exact = torch.bmm(self.w[top], h.to(self.w.dtype)[:, :, None])[..., 0]  # [N, k, D] @ [N, D, 1] -> [N, k]
+        if isinstance(self.w, BlockLinear):  # (the native head's own bits at the shortlist)
+            exact = self.w.scores(h, top)
+        else:
+            exact = torch.bmm(self.w[top], h.to(self.w.dtype)[:, :, None])[..., 0]  # [N, k, D] @ [N, D, 1] -> [N, k]
         return logits.scatter_(1, top, exact.to(logits.dtype))
 
     @property

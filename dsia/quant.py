@@ -102,12 +102,14 @@ class QuantConfig:
         return self.blocks and self.group_size == WEIGHTS_PER_BLOCK and build_error() is None
 
 
-def quantize_head(w: Tensor, kind: str, cfg: QuantConfig) -> QuantLinear | RescoredHead:
-    """The LM head w [V, D] as `kind` (int4r where the 4-bit kernel takes it, else int8g's fallbacks)."""
+def quantize_head(w: Tensor, kind: str, cfg: QuantConfig, rows: Tensor | BlockLinear | None = None
+                  ) -> QuantLinear | RescoredHead:
+    """The LM head w [V, D] as `kind` (int4r where the 4-bit kernel takes it, else int8g's fallbacks); rows: what an
+    int4r head scores its shortlist with (default w; a native target's head blocks)."""
     if kind != "int4r":
         return quantize_weight(w, kind, cfg)
     if blocks_for(w, "int4", cfg):
-        return RescoredHead(q4_1_blocks(w), w)
+        return RescoredHead(q4_1_blocks(w), w if rows is None else rows)
     if w.device.type != "cpu" or not int4_fits(*w.shape, cfg.group_size):
         return quantize_weight(w, "int8g", cfg)
     return RescoredHead(Int4Linear(w, cfg.group_size, cfg.act_dtype), w)
@@ -192,7 +194,8 @@ def quantize_linears(model: Transformer, cfg: QuantConfig, layers: Iterable[int]
             q.linears[(i, n)], q.kinds[(i, n)] = k, k.kind
             q.nbytes += k.nbytes
     if include_head:
-        q.head = quantize_head(model.dense_head(), cfg.head_kind or cfg.kind, cfg)  # a copy: the embedding is untouched
+        # a copy (the embedding is untouched); an int4r head rescores with the target's own head (never a float copy)
+        q.head = quantize_head(model.dense_head(), cfg.head_kind or cfg.kind, cfg, model.head_source())
         q.kinds[HEAD] = q.head.kind
         q.nbytes += q.head.nbytes
     return q
@@ -231,7 +234,8 @@ class QuantCodec:
     copies between processes instead of quantizing again (an int4r head keeps its 4-bit copy; the rows it scores
     again with are the model's, `rows`)."""
     cfg: QuantConfig
-    rows: Tensor | None = field(default=None, compare=False)  # the target's LM head [V, D], for an int4r head
+    rows: Tensor | BlockLinear | None = field(default=None, compare=False)  # the target's LM head [V, D] (a native
+    # target's: its blocks), for an int4r head
 
     @property
     def name(self) -> str:  # what the copy depends on besides the model's weights
@@ -302,7 +306,7 @@ class Quant(Strategy):
     def bind(self, resources: Resources) -> Switch:
         cfg = QuantConfig(self.kind)
         # bnb's state and fbgemm's packed weights are opaque: they stay in memory
-        codec = (QuantCodec(cfg, resources.model.dense_head()) if not {"nf4", "w8a8"} & {cfg.kind, cfg.head_kind}
+        codec = (QuantCodec(cfg, resources.model.head_source()) if not {"nf4", "w8a8"} & {cfg.kind, cfg.head_kind}
                  else None)
         return QuantSwitch(resources.get(("quant", cfg), lambda model: quantize_linears(model, cfg), codec))
 

@@ -133,6 +133,12 @@ def test_a_native_target_holds_no_float_copy_and_dequantizes_on_demand(engines):
     tokens = torch.tensor([[5, 9], [3, 5]])
     assert torch.equal(m.embed_rows(tokens), d.embed[tokens])
     assert torch.equal(m.head_rows(tokens[0]), d.lm_head[tokens[0]])  # (a vocab level's rows: from the blocks)
+    h = torch.randn(3, m.spec.dim)
+    top = torch.randint(0, m.spec.vocab_size, (3, 7))
+    assert torch.equal(m.native.head.scores(h, top), m.native.head(h).gather(1, top))  # (the whole head's bits)
+    from dsia.quant import QuantConfig, quantize_linears
+    q = quantize_linears(m, QuantConfig("int4"))
+    assert q.head.w is m.native.head  # an int4r level rescores with the head's blocks: no float copy of the head
     assert m.weight_bytes() == sum(k.nbytes for k in {id(k): k for k in (
         *m.native.linears.values(), *[f.kernel for f in m.native.fused.values()], m.native.head)}.values()) + sum(
         t.numel() * 4 for t in [m.norm] + [n for lw in m.layers for n in (lw.attn_norm, lw.mlp_norm)])

@@ -152,8 +152,13 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_t
     ({**CHAT, "temperature": -1}, 400, "invalid_parameter", ("--temperature", "-1")),
     ({**CHAT, "top_p": 0}, 400, "invalid_parameter", ("--top-p", "0")),
     ({**CHAT, "top_k": -3}, 400, "invalid_parameter", ("--top-k", "-3")),
-    ({**CHAT, "max_tokens": 0}, 400, "invalid_parameter", ("--max-new-tokens", "0")),
-    ({**CHAT, "stop": ""}, 400, "invalid_parameter", ("--stop", "")),
+    ({**CHAT, "max_tokens": 0}, 400, "invalid_parameter", "max_tokens must be an integer >= 1 (got 0)"),
+    ({"model": "tiny", "messages": CHAT["messages"], "max_completion_tokens": -2}, 400, "invalid_parameter",
+     "max_completion_tokens must be an integer >= 1 (got -2)"),  # (the API's names, not the engine's max_new_tokens)
+    ({**CHAT, "stop": ""}, 400, "invalid_parameter", "stop strings must not be empty: drop the empty string from stop"),
+    ({**CHAT, "stop": ["x", ""]}, 400, "invalid_parameter", "drop the empty string from stop"),
+    ({**CHAT, "max_tokens": 5000}, 400, "context_length_exceeded", "max_tokens asks for 5000 more, but the context "
+                                                                    "window holds 4096"),
     ({**CHAT, "seed": -1}, 400, "invalid_parameter", "seed must be an integer in [0, 2**64)"),
     ({**CHAT, "messages": [{"role": "user", "content": "   "}]}, 400, "invalid_parameter", "prompt is empty"),
     ({**CHAT, "messages": [{"role": "user", "content": " ".join(["w5"] * 5000)}]}, 400, "context_length_exceeded",

@@ -241,6 +241,9 @@ def _stops(stop: str | list, limits: Limits) -> tuple[str, ...]:
     if longest := max((len(s) for s in stop if len(s) > limits.max_stop_chars), default=0):
         raise ApiError(400, f"a stop string has {longest} characters: this server takes at most "
                        f"{limits.max_stop_chars} per stop string", "invalid_parameter", "stop")
+    if "" in stop:
+        raise ApiError(400, "stop strings must not be empty: drop the empty string from stop", "invalid_parameter",
+                       "stop")
     return tuple(stop)
 
 
@@ -252,6 +255,9 @@ def _max_tokens(given: dict, chat: bool, limits: Limits) -> int | None:
             raise ApiError(400, "max_tokens and max_completion_tokens differ: give one of them", "invalid_parameter",
                            "max_completion_tokens")
         max_tokens, param = given["max_completion_tokens"], "max_completion_tokens"
+    if max_tokens is not None and max_tokens < 1:  # (named as the API names it, not as the engine's Request does)
+        raise ApiError(400, f"{param} must be an integer >= 1 (got {_show(str(max_tokens))})", "invalid_parameter",
+                       param)
     if max_tokens is not None and max_tokens > limits.max_tokens_limit:
         raise ApiError(400, f"{param} is {_show(str(max_tokens))}: this server generates at most "
                        f"{limits.max_tokens_limit} tokens per call", "invalid_parameter", param)

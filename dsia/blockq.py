@@ -87,7 +87,8 @@ def exact_in_half(t: Tensor) -> bool:
 def _per_tile(t: Tensor, tiles: int) -> Tensor:
     """[out, n] -> [tiles, n, 16] (outputs past the last: zeros)."""
     out, n = t.shape
-    t = torch.cat((t, t.new_zeros(tiles * TILE - out, n)))
+    if tiles * TILE > out:  # (most weights have whole tiles: no copy)
+        t = torch.cat((t, t.new_zeros(tiles * TILE - out, n)))
     return t.reshape(tiles, TILE, n).transpose(1, 2)
 
 
@@ -125,7 +126,7 @@ class BlockLinear:
             parts.append(self._per_block(t, tiles, nb, per))
         for t in [b] if fmt.mins == 2 else []:
             parts.append(self._per_block(t, tiles, nb, per))
-        self.codes = torch.cat(parts, dim=-1).contiguous()  # [tiles, blocks, record]
+        self.codes = (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).contiguous()  # [tiles, blocks, record]
         assert self.codes.shape[-1] == fmt.record, (self.codes.shape, fmt)
         assert exact_in_half(D) and (Dm is None or exact_in_half(Dm)), "block scales must be float16 values"
         self.scales = torch.stack([_per_tile(s.float(), tiles) for s in [D] + ([] if Dm is None else [Dm])]

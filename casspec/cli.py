@@ -51,11 +51,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .loading.checkpoints import load
     from .calibrate.tune import format_steps, format_tuning, step_times, tuned_kernels
 
-    model = Transformer.from_hf(load(args.model, args.dtype, args.device).model)
-    kernels, rec = tuned_kernels(model, refresh=args.refresh)
-    print(format_tuning(rec))
-    print(f"chosen: {kernels.describe()} ({rec['source']}, {rec['created']})")
-    del model
+    if args.weights == "native":  # (no float model is loaded or cached for a native target)
+        print("--weights native: the file's blocks run casspec's block kernel, and any product it keeps dense "
+              "casspec's own dense kernel (batch-invariant by construction): no dense kernel choice to measure")
+    else:
+        model = Transformer.from_hf(load(args.model, args.dtype, args.device).model)
+        kernels, rec = tuned_kernels(model, refresh=args.refresh)
+        print(format_tuning(rec))
+        print(f"chosen: {kernels.describe()} ({rec['source']}, {rec['created']})")
+        del model
     engine = _engine(args)  # the target as generate runs it (--weights, --batch-invariant, the kernels chosen)
     print(f"the target's forwards ({engine.kernels}):")
     print(format_steps(step_times(engine.model, engine.cache), engine.model.weight_bytes()))

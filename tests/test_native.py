@@ -188,6 +188,18 @@ def test_cli_generate_native(tmp_path, capsys):
     assert capsys.readouterr().out == ar
 
 
+def test_tune_native_measures_the_native_forwards_and_caches_no_float_copy(tmp_path, capsys, monkeypatch):
+    from casspec.cli import main
+
+    monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path / "cache"))
+    path = tiny_gguf(tmp_path / "t.gguf", dim=64, layers=2, heads=2, kv_heads=1, qtype="Q8_0", pad_vocab=13,
+                     context=256)  # (tune's forwards run on 64 committed tokens)
+    assert main(["tune", "--model", str(path), "--weights", "native"]) == 0
+    out = capsys.readouterr().out
+    assert "no dense kernel choice to measure" in out and "| 1 token |" in out and "floor" in out
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # (the float32 cache entry was never built)
+
+
 @pytest.mark.skipif(build_error() is not None, reason="casspec's panels are the C++ library's")
 def test_only_the_weights_a_forward_multiplies_densely_keep_panels(tmp_path):
     from dsia.kernels import _PANELS

@@ -90,42 +90,52 @@ def _q3_scales(s: np.ndarray) -> np.ndarray:
     return np.concatenate(out, axis=-1) - 32
 
 
-def _u_small(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """The codes of 32-weight blocks [out, nb, bytes] -> uint8 [out, nb, 32]."""
+def _shifts(*values: int, shape: tuple[int, ...]) -> Tensor:
+    """Shift counts as a uint8 tensor of `shape` (to broadcast against the stored bytes)."""
+    return torch.tensor(values, dtype=torch.uint8).reshape(shape)
+
+
+def _bits8(x: Tensor) -> Tensor:
+    """Each byte's 8 bits, lowest first: [..., n] -> [..., n, 8] (numpy's unpackbits, bitorder little)."""
+    return (x[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+
+
+def _u_small(blocks: Tensor, kind: str) -> Tensor:
+    """The codes of 32-weight blocks [out, nb, bytes] (uint8) -> uint8 [out, nb, 32]."""
     if kind == "Q8_0":
-        return blocks[..., 2:] ^ np.uint8(0x80)  # q + 128 (int8 q's two's complement bits, the top one flipped)
+        return blocks[..., 2:] ^ 0x80  # q + 128 (int8 q's two's complement bits, the top one flipped)
     qs = blocks[..., -16:]
-    u = np.concatenate((qs & 15, qs >> 4), axis=-1)  # element j in the low nibble of byte j, j + 16 in the high
+    u = torch.cat((qs & 15, qs >> 4), dim=-1)  # element j in the low nibble of byte j, j + 16 in the high
     if kind in ("Q5_0", "Q5_1"):
         at = 2 if kind == "Q5_0" else 4
-        u |= np.unpackbits(blocks[..., at:at + 4], axis=-1, bitorder="little") << 4  # bit j of qh: element j's fifth
+        u |= _bits8(blocks[..., at:at + 4]).flatten(-2) << 4  # bit j of qh: element j's fifth
     return u
 
 
-def _u_k(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """The codes of K-quant super-blocks [out, nb, bytes] -> uint8 [out, nb, 256] (ggml-quants.c's dequantize_row_*:
-    element e of a super-block, as the index expressions below lay it out)."""
+def _u_k(blocks: Tensor, kind: str) -> Tensor:
+    """The codes of K-quant super-blocks [out, nb, bytes] (uint8) -> uint8 [out, nb, 256] (ggml-quants.c's
+    dequantize_row_*: element e of a super-block, as the index expressions below lay it out; torch's byte operations
+    run on every thread)."""
     out, nb = blocks.shape[:2]
     if kind in ("Q2_K", "Q3_K"):  # e = 128 n + 32 j + 16 h + l: bits 2j of qs[32 n + 16 h + l]
         qs = (blocks[..., 16:80] if kind == "Q2_K" else blocks[..., 32:96]).reshape(out, nb, 2, 1, 2, 16)
-        u = (qs >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)) & 3  # [out, nb, n, j, h, l]
+        u = (qs >> _shifts(0, 2, 4, 6, shape=(4, 1, 1))) & 3  # [out, nb, n, j, h, l]
         if kind == "Q3_K":  # + 4 where bit 4 n + j of hmask[16 h + l] is set
             hm = blocks[..., 0:32].reshape(out, nb, 1, 1, 2, 16)
-            shift = (4 * np.arange(2, dtype=np.uint8)[:, None] + np.arange(4, dtype=np.uint8)).reshape(2, 4, 1, 1)
-            u = u + (((hm >> shift) & 1) << 2)
+            u = u + (((hm >> _shifts(*range(8), shape=(2, 4, 1, 1))) & 1) << 2)
     elif kind in ("Q4_K", "Q5_K"):  # e = 64 c + 32 h + l: nibble h of qs[32 c + l] (+ 16: bit 2 c + h of qh[l])
         qs = (blocks[..., 16:144] if kind == "Q4_K" else blocks[..., 48:176]).reshape(out, nb, 4, 1, 32)
-        u = (qs >> (4 * np.arange(2, dtype=np.uint8)).reshape(2, 1)) & 15  # [out, nb, c, h, l]
+        u = (qs >> _shifts(0, 4, shape=(2, 1))) & 15  # [out, nb, c, h, l]
         if kind == "Q5_K":
-            bits = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")  # [out, nb, l, bit]
-            u = u | (bits.transpose(0, 1, 3, 2).reshape(out, nb, 4, 2, 32) << 4)
+            bits = _bits8(blocks[..., 16:48])  # [out, nb, l, bit]
+            u = u | (bits.transpose(2, 3).reshape(out, nb, 4, 2, 32) << 4)
     else:  # Q6_K, e = 128 n + 32 k + l: nibble k // 2 of ql[64 n + 32 (k % 2) + l], bits 2k of qh[32 n + l]
         ql = blocks[..., 0:128].reshape(out, nb, 2, 1, 2, 32)
-        low = (ql >> (4 * np.arange(2, dtype=np.uint8)).reshape(2, 1, 1)) & 15  # [out, nb, n, k // 2, k % 2, l]
+        low = (ql >> _shifts(0, 4, shape=(2, 1, 1))) & 15  # [out, nb, n, k // 2, k % 2, l]
         qh = blocks[..., 128:192].reshape(out, nb, 2, 1, 32)
-        high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [out, nb, n, k, l]
+        high = (qh >> _shifts(0, 2, 4, 6, shape=(4, 1))) & 3  # [out, nb, n, k, l]
         u = low.reshape(out, nb, 2, 4, 32) | (high << 4)
-    return np.ascontiguousarray(u).reshape(out, nb, 256)
+    return u.contiguous().reshape(out, nb, 256)
 
 
 def decode(kind: str, data: np.ndarray) -> Codes:
@@ -134,12 +144,13 @@ def decode(kind: str, data: np.ndarray) -> Codes:
     blocks = np.ascontiguousarray(data).reshape(out, -1, BLOCK_BYTES[kind])  # [out, nb, bytes]
     i8 = lambda x: torch.from_numpy(np.ascontiguousarray(x).astype(np.int8)).reshape(out, -1)  # noqa: E731
     Dm = a = b = None
+    bytes_ = torch.from_numpy(blocks)  # (the codes' unpacking in torch: its byte operations run on every thread)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
-        u, D = _u_small(blocks, kind), _half(blocks, 0)
+        u, D = _u_small(bytes_, kind), _half(blocks, 0)
         if kind in ("Q4_1", "Q5_1"):
             Dm = _half(blocks, 2)
     else:
-        u = _u_k(blocks, kind)
+        u = _u_k(bytes_, kind)
         if kind == "Q2_K":
             sc = blocks[..., 0:16].astype(np.int32)
             a, b, D, Dm = i8(sc & 15), i8(sc >> 4), _half(blocks, 80), -_half(blocks, 82)
@@ -150,7 +161,7 @@ def decode(kind: str, data: np.ndarray) -> Codes:
             a, b, D, Dm = i8(sc), i8(mn), _half(blocks, 0), -_half(blocks, 2)
         else:  # Q6_K
             a, D = i8(blocks[..., 192:208].view(np.int8)), _half(blocks, 208)
-    u = torch.from_numpy(np.ascontiguousarray(u, dtype=np.uint8)).reshape(out, -1)
+    u = u.contiguous().reshape(out, -1)
     return Codes(kind, u, D, Dm, a, b)
 
 

@@ -7,10 +7,10 @@
 
 The server is one already running (--url, its /v1 address) or one this script starts on a free local port and stops
 at the end: `--start casspec` runs `python -m casspec serve --port P --max-queue QUEUE [--model FILE] [--weights W]`
-(no --model: the embedded default model), `--start llama-server` the binary $CASSPEC_LLAMA_SERVER (default: the
-one built from llama-cpp-python's vendored llama.cpp) as `-m FILE --host 127.0.0.1 --port P -t THREADS -np C_MAX
-[--spec-default]` (no --model: the embedded GGUF; -np: the most clients of --clients). --server-args adds to the
-command line; a flag it names (--port, --max-queue, -t, -np, ...) replaces the script's own. Ready: GET /health
+(no --model: the embedded default model), `--start llama-server` the binary $CASSPEC_LLAMA_SERVER (else
+llama-server on PATH; docs/benchmarking.md says how to build it) as `-m FILE --host 127.0.0.1 --port P -t THREADS
+-np C_MAX [--spec-default]` (no --model: the embedded GGUF; -np: the most clients of --clients). --server-args adds
+to the command line; a flag it names (--port, --max-queue, -t, -np, ...) replaces the script's own. Ready: GET /health
 answers 200. Its log goes to a temporary file (named in the JSON).
 
 Every request is a streamed chat completion (the openai package's AsyncOpenAI, no retries) of one question's first
@@ -54,12 +54,10 @@ import openai
 from openai import AsyncOpenAI
 
 from casspec.calibrate.questions import read_questions
-from casspec.tools.lcppserver import SERVER_ENV, _free_port, server_binary
+from casspec.tools.lcppserver import free_port, server_binary
 from dsia.errors import CasspecError
 from dytc.machine import cpu_model
 
-DEFAULT_LLAMA_SERVER = "/tmp/lcpp-sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
-# llama-server built from llama-cpp-python's vendored llama.cpp, used when $CASSPEC_LLAMA_SERVER is not set
 DEFAULT_QUESTIONS = "../shared/specbench/dev.jsonl"  # the Spec-Bench dev questions beside the checkout
 START_TIMEOUT_S = 600.0  # a started server's time to load the model (and measure it on first use) and answer /health
 STOP_TIMEOUT_S = 30.0  # a started server's time to shut down after SIGTERM before it is killed
@@ -364,9 +362,7 @@ def with_defaults(defaults: list[tuple[str, str]], extra: list[str]) -> list[str
 
 
 def llama_binary() -> str:
-    """$CASSPEC_LLAMA_SERVER, else the default build if it is there, else llama-server on PATH (one error if none)."""
-    if not os.environ.get(SERVER_ENV) and os.access(DEFAULT_LLAMA_SERVER, os.X_OK):
-        return DEFAULT_LLAMA_SERVER
+    """$CASSPEC_LLAMA_SERVER, else llama-server on PATH (one error saying how to build it if neither)."""
     return server_binary()
 
 
@@ -437,7 +433,7 @@ def started(args: argparse.Namespace, levels: list[int]) -> Iterator[tuple[str, 
     if args.url is not None:
         yield args.url.rstrip("/"), [], None
         return
-    argv = server_argv(args, levels, _free_port())
+    argv = server_argv(args, levels, free_port())
     port = port_of(argv, 0)
     log = Path(tempfile.mkstemp(prefix=f"load_test-{args.start}-", suffix=".log")[1])
     print(f"starting: {shlex.join(argv)} (log: {log})", file=sys.stderr)

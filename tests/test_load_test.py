@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from casspec.serve.app import ServeConfig, background
+from casspec.tools.lcppserver import SERVER_ENV
 from tiny import tiny_engine
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "load_test.py"
@@ -86,7 +87,7 @@ def test_started_servers_command_lines(tmp_path, monkeypatch):
     fake = tmp_path / "llama-server"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    monkeypatch.setenv(mod.SERVER_ENV, str(fake))
+    monkeypatch.setenv(SERVER_ENV, str(fake))
     args = argparse.Namespace(start="llama-server", model="m.gguf", weights=None, llama_spec=True, threads=2,
                               queue=16, server_args="--parallel 3 -c 4096")
     assert mod.server_argv(args, [1, 2, 8], 1234) == [str(fake), "-m", "m.gguf", "--spec-default", "--host",

@@ -48,7 +48,8 @@ def server_binary() -> str:
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (the system's choice)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -64,7 +65,7 @@ class Server:
     """One llama-server process on a free local port, stopped when closed (or at exit)."""
 
     def __init__(self, gguf: Path, n_ctx: int, threads: int) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [server_binary(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(n_ctx),
                 "-t", str(threads), "-tb", str(threads), "--parallel", "1", "--no-webui", *SPEC_ARGS]

@@ -383,8 +383,10 @@ def test_serve_on_a_taken_port_is_one_error_before_loading(capsys):
     assert len(err.strip().splitlines()) == 1 and "cannot listen on 127.0.0.1:" in err, err
 
 
-def test_casspec_serve_command_end_to_end(tmp_path):
-    """`python -m casspec serve` over a checkpoint folder: prints where it listens, answers, stops on Ctrl+C."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_casspec_serve_command_end_to_end(tmp_path, stop):
+    """`python -m casspec serve` over a checkpoint folder: prints where it listens, answers (its engine on the main
+    thread, HTTP on another), stops gracefully on Ctrl+C and on SIGTERM."""
     tiny_model().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "casspec", "serve", "--model", str(tmp_path), "--port", "0",
@@ -408,8 +410,9 @@ def test_casspec_serve_command_end_to_end(tmp_path):
             "model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert r.json()["casspec"]["method"] == "ar"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert proc.wait(timeout=30) == 0
+        assert "casspec: stopped" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -142,13 +143,13 @@ async def _disconnected(request: HttpRequest) -> None:
 class Api:
     """The endpoints over one engine."""
 
-    def __init__(self, engine: Engine, cfg: ServeConfig, bound: str = "127.0.0.1") -> None:
+    def __init__(self, engine: Engine, cfg: ServeConfig, bound: str = "127.0.0.1", own_thread: bool = True) -> None:
         self.engine, self.cfg = engine, cfg
         self.name = cfg.model_name or engine.name
         self.template = cfg.template
         self.hosts = cfg.hosts(bound)
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, cfg.max_queue, self.metrics)
+        self.scheduler = Scheduler(engine, cfg.max_queue, self.metrics, own_thread)
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -318,9 +319,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def server(engine: Engine, cfg: ServeConfig, sock: socket.socket, log_level: str = "info") -> uvicorn.Server:
+def server(engine: Engine, cfg: ServeConfig, sock: socket.socket, log_level: str = "info",
+           api: Api | None = None) -> uvicorn.Server:
     """uvicorn over the app; limit_concurrency counts the connection it answers: one more than max_connections."""
-    app = Api(engine, cfg, bound=sock.getsockname()[0]).app()
+    app = (api or Api(engine, cfg, bound=sock.getsockname()[0])).app()
     return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
                                          limit_concurrency=cfg.limits.max_connections + 1,
                                          http=partial(HeadTimeoutProtocol, head_timeout=cfg.limits.client_timeout)))
@@ -334,11 +336,27 @@ def serve(engine: Engine, cfg: ServeConfig, sock: socket.socket) -> None:
     print(f"casspec: serving {cfg.model_name or engine.name} (method {cfg.method}) at http://{host}:{port}/v1 "
           f"(queue {cfg.max_queue}{', API key required' if cfg.api_key else ''}; Host names answered: "
           f"{'any' if hosts is None else ', '.join(sorted(hosts))})", file=sys.stderr, flush=True)
+    # the engine runs on this thread (the one that loaded it: Scheduler's docstring says why), the HTTP side on another;
+    # Ctrl+C or SIGTERM here stops both: uvicorn shuts down gracefully, waiting calls get 503
+    api = Api(engine, cfg, bound=host, own_thread=False)
+    srv = server(engine, cfg, sock, api=api)
+    http = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, name="casspec-http", daemon=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    http.start()
     try:
-        server(engine, cfg, sock).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it shut down for
+        api.scheduler.work()
+    except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        srv.should_exit = True
+        http.join(timeout=30)
     print("casspec: stopped", file=sys.stderr)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl+C: the serving thread's KeyboardInterrupt."""
+    raise KeyboardInterrupt
 
 
 @contextmanager

@@ -4,10 +4,11 @@ Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1
 POST /v1/chat/completions, blocking or streamed as server-sent events.
 
 Scheduling: a handler checks a call (the CLI's checks and messages), templates and tokenizes its prompt in a thread
-of the event loop's pool, and puts it in a bounded FIFO queue (full: 429 with Retry-After). One worker thread takes
-the calls in arrival order and runs each to its end on the engine, one at a time (`scheduler.py`): several requests
-are not batched into one forward (yet). A client that disconnects cancels its call: a waiting one is dropped, a
-running one stops after the engine step that is running (the cancel event of `Engine.stream_ids`).
+of the event loop's pool, and puts it in a bounded FIFO queue (full: 429 with Retry-After). One worker (`serve`: the
+main thread, HTTP on another; `background`: a thread) takes the calls in arrival order and runs each to its end on
+the engine, one at a time (`scheduler.py`): several requests are not batched into one forward (yet). A client that
+disconnects cancels its call: a waiting one is dropped, a running one stops after the engine step that is running
+(the cancel event of `Engine.stream_ids`).
 
 Bounds: a call is measured against `calls.Limits` before any work (body, prompt, stops, max_tokens); it has a
 deadline (`request_timeout`); a client may stall `client_timeout` seconds at most (a request's head or body, or a

@@ -25,20 +25,19 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import json
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
+from dytc.machine import cpu_model, resident_bytes  # (no torch: the llama.cpp child's baseline stays bare)
+
 SCRIPT = Path(__file__).resolve()
-LLAMA_BENCH = "/tmp/lcpp-sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-bench"  # default binary
 QK_K = 256  # a K-quant's super-block: the row lengths Q4_K / Q6_K take
 FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama.cpp's type for rows that are not whole super-blocks
 SCALES = {"Q4_K": 2e-4, "Q6_K": 4e-5, "Q5_0": 5e-3, "Q8_0": 8e-4}  # float16 block scales: weights of std ~0.05
@@ -177,58 +176,14 @@ def make(s: Shape, path: Path, seed: int = 0) -> collections.Counter:
     return collections.Counter(kind for kind, _ in plan.values())
 
 
-def cpu_name() -> str:
-    """lscpu's "Model name" ("unknown" where lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
-
-
-def statm_bytes() -> int:
-    """This process's resident memory (/proc/self/statm)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def forward_times(model, cache, repeats: int) -> tuple[dict[str, float], int]:
-    """tune.step_times' pattern over FORWARD_TOKENS: median ms of each forward on COMMITTED committed tokens and of
-    the floor (a streaming read of the weights' bytes), timed in turn; and the resident bytes after the committed
-    tokens' forward (before the floor's buffer)."""
-    import torch
-
-    from dsia.kernels import time_ms
-    from dytc.machine import resident_bytes
-
-    dev = model.device
-    ids = torch.randint(3, model.spec.vocab_size, (COMMITTED + max(FORWARD_TOKENS),),
-                        generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        cache.rollback(0)
-        model.forward(cache, ids[:COMMITTED], torch.arange(COMMITTED), 0)
-        cache.commit(list(range(COMMITTED)))
-        resident = resident_bytes()
-        runs: dict[str, Callable[[], object]] = {"floor": torch.ones(model.weight_bytes() // 4).sum}
-        for t in FORWARD_TOKENS:
-            runs[str(t)] = functools.partial(model.forward, cache, ids[COMMITTED:COMMITTED + t],
-                                             torch.arange(COMMITTED, COMMITTED + t), COMMITTED)
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for r in range(repeats + 2):  # (2 warm-up rounds)
-            for k, fn in runs.items():
-                ms = time_ms(fn, dev)
-                if r >= 2:
-                    times[k].append(ms)
-        cache.rollback(0)
-    return {k: statistics.median(v) for k, v in times.items()}, resident
-
-
 def casspec_child(path: Path, repeats: int) -> dict:
     """casspec's load, memory and forwards on the file (run in a process of its own)."""
     import torch  # (the baseline: the process with torch, transformers and the engine imported)
     import transformers  # noqa: F401
     import casspec.runtime.engine
-    from dytc.machine import resident_bytes
+    from casspec.calibrate.tune import STEP_CONTEXT, step_times
+
+    assert STEP_CONTEXT == COMMITTED, "the report names COMMITTED as tune's committed tokens"
 
     baseline = resident_bytes()
     t0 = time.perf_counter()
@@ -236,7 +191,8 @@ def casspec_child(path: Path, repeats: int) -> dict:
                                                            keep_state=False, max_context=CONTEXT)
     load_s = time.perf_counter() - t0
     resident = resident_bytes()
-    times, resident_run = forward_times(engine.model, engine.cache, repeats)
+    times = step_times(engine.model, engine.cache, repeats, FORWARD_TOKENS)
+    resident_run = resident_bytes()  # (after the committed tokens' forward; the floor's buffer freed again)
     return {"load_s": load_s, "baseline_bytes": baseline, "resident_bytes": resident,
             "resident_after_prefill_bytes": resident_run, "weight_bytes": engine.model.weight_bytes(),
             "kv_bytes": (engine.cache.k.numel() + engine.cache.v.numel()) * 4, "threads": torch.get_num_threads(),
@@ -261,14 +217,14 @@ def llama_cpp_child(path: Path) -> dict:
     prompt."""
     import llama_cpp
 
-    baseline = statm_bytes()
+    baseline = resident_bytes()
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=CONTEXT, n_threads=2, n_threads_batch=2, verbose=False)
     load_s = time.perf_counter() - t0
-    resident = statm_bytes()
+    resident = resident_bytes()
     llm.eval(list(range(3, 3 + COMMITTED)))
     return {"load_s": load_s, "baseline_bytes": baseline, "resident_bytes": resident,
-            "resident_after_prefill_bytes": statm_bytes()}
+            "resident_after_prefill_bytes": resident_bytes()}
 
 
 CHILDREN = {"casspec": casspec_child, "meta": meta_child, "llama.cpp": llama_cpp_child}  # measured in a process each
@@ -339,7 +295,7 @@ def shape_summary(path: Path) -> str:
 
 def measure(path: Path, binary: str, repeats: int) -> dict:
     """Every measurement of the file, each in its own process."""
-    rec = {"file": str(path), "file_bytes": path.stat().st_size, "cpu": cpu_name(),
+    rec = {"file": str(path), "file_bytes": path.stat().st_size, "cpu": cpu_model(),
            "shape_summary": shape_summary(path), "date": time.strftime("%Y-%m-%d"), "context": CONTEXT,
            "committed": COMMITTED, "repeats": repeats}
     rec["meta"] = run_child("meta", path, repeats)
@@ -359,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
                     "it to token_embd (as Qwen's own published Qwen2.5 GGUFs do)")
     me = sub.add_parser("measure", help="casspec's native target and llama.cpp on a GGUF file")
     me.add_argument("gguf", type=Path)
-    me.add_argument("--llama-bench", default=os.environ.get("CASSPEC_LLAMA_BENCH", LLAMA_BENCH))
+    me.add_argument("--llama-bench", default=os.environ.get("CASSPEC_LLAMA_BENCH") or shutil.which("llama-bench"))
     me.add_argument("--out", type=Path, help="JSON of every measurement")
     me.add_argument("--repeats", type=int, default=10, help="timed rounds of casspec's forwards (llama-bench: <= 3)")
     ch = sub.add_parser("child")  # (one measurement, in its own process)
@@ -380,8 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if not args.gguf.is_file() or args.gguf.suffix != ".gguf" or args.repeats < 1:
             p.error(f"measure takes an existing .gguf file and --repeats >= 1 (got {args.gguf})")
-        if not (os.path.isfile(args.llama_bench) and os.access(args.llama_bench, os.X_OK)):
-            p.error(f"no llama-bench binary at {args.llama_bench}: pass --llama-bench PATH or set CASSPEC_LLAMA_BENCH")
+        if not (args.llama_bench and os.path.isfile(args.llama_bench) and os.access(args.llama_bench, os.X_OK)):
+            where = f"at {args.llama_bench}" if args.llama_bench else "on PATH"
+            p.error(f"no llama-bench binary {where}: pass --llama-bench PATH or set CASSPEC_LLAMA_BENCH")
         if args.out is not None and not args.out.parent.is_dir():
             p.error(f"--out's folder does not exist: {args.out.parent}")
         rec = measure(args.gguf, args.llama_bench, args.repeats)

@@ -95,22 +95,23 @@ STEP_CONTEXT = 64  # committed tokens under the timed forwards
 
 
 @torch.inference_mode()
-def step_times(model: Transformer, cache: KVCache, repeats: int = 20) -> dict[str, float]:
-    """Median ms of the target's forwards over STEP_TOKENS tokens on STEP_CONTEXT committed ones (written to the
+def step_times(model: Transformer, cache: KVCache, repeats: int = 20,
+               tokens: tuple[int, ...] = STEP_TOKENS) -> dict[str, float]:
+    """Median ms of the target's forwards over `tokens` tokens on STEP_CONTEXT committed ones (written to the
     cache's scratch, never committed), and of the floor: a streaming read of as many bytes as a step reads, with
     the machine's threads (torch.sum over one buffer), timed in turn with the forwards so that the machine's drift
     (its memory bandwidth varies run to run) hits them alike. {"floor": ms, "1": ms, "4": ms, "16": ms}."""
     dev = model.device
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.spec.vocab_size, (STEP_CONTEXT + max(STEP_TOKENS),), generator=gen).to(dev)
+    ids = torch.randint(3, model.spec.vocab_size, (STEP_CONTEXT + max(tokens),), generator=gen).to(dev)
     cache.rollback(0)
     model.forward(cache, ids[:STEP_CONTEXT], torch.arange(STEP_CONTEXT, device=dev), 0)
     cache.commit(list(range(STEP_CONTEXT)))
     buf = torch.ones(model.weight_bytes() // 4, device=dev)
     runs: dict[str, Callable[[], object]] = {"floor": buf.sum}
-    for T in STEP_TOKENS:
-        tokens, positions = ids[STEP_CONTEXT:STEP_CONTEXT + T], torch.arange(STEP_CONTEXT, STEP_CONTEXT + T, device=dev)
-        runs[str(T)] = functools.partial(model.forward, cache, tokens, positions, STEP_CONTEXT)
+    for T in tokens:
+        rows, positions = ids[STEP_CONTEXT:STEP_CONTEXT + T], torch.arange(STEP_CONTEXT, STEP_CONTEXT + T, device=dev)
+        runs[str(T)] = functools.partial(model.forward, cache, rows, positions, STEP_CONTEXT)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(repeats + 2):  # (2 warm-up rounds)
         for k, fn in runs.items():

@@ -93,13 +93,6 @@ class Transformer(Variants):
             return self.embed_blocks.rows(tokens.flatten()).to(self.dtype).reshape(*tokens.shape, -1)
         return F.embedding(tokens, self.embed)
 
-    def dense_head(self) -> Tensor:
-        """The LM head's float weight [V, D]: the tensor held, or dequantized from the native head's blocks (a
-        temporary, for what builds a level from it)."""
-        if self.lm_head.is_meta and self.native is not None and isinstance(self.native.head, BlockLinear):
-            return self.native.head.dequantize()
-        return self.lm_head
-
     def head_source(self) -> Tensor | BlockLinear:
         """What a head's exact rows are read from: the LM head tensor, or the native head's blocks where that is all
         the model holds of it (never a float copy)."""
@@ -107,11 +100,16 @@ class Transformer(Variants):
             return self.native.head
         return self.lm_head
 
+    def dense_head(self) -> Tensor:
+        """The LM head's float weight [V, D]: the tensor held, or dequantized from the native head's blocks (a
+        temporary, for what builds a level from it)."""
+        src = self.head_source()
+        return src.dequantize() if isinstance(src, BlockLinear) else src
+
     def head_rows(self, tokens: Tensor) -> Tensor:
         """The LM head's float rows of `tokens` [n]: [n, D] (from the native head's blocks where it is held so)."""
-        if self.lm_head.is_meta and self.native is not None and isinstance(self.native.head, BlockLinear):
-            return self.native.head.rows(tokens)
-        return self.lm_head.index_select(0, tokens)
+        src = self.head_source()
+        return src.rows(tokens) if isinstance(src, BlockLinear) else src.index_select(0, tokens)
 
     def new_cache(self, capacity: int | None = None, spare: int = 0) -> KVCache:
         s = self.spec

@@ -66,12 +66,18 @@ def f32_gguf(src: Path) -> Path:
     return dst
 
 
+def gguf_source(gguf: Path | None, who: str) -> Path:
+    """The engine's checkpoint as the GGUF file a llama.cpp baseline runs, or one clear error naming `who` runs it."""
+    if gguf is None or gguf.suffix.lower() != ".gguf":
+        raise CasspecError(f"{who} a GGUF file, and this engine loaded {gguf or 'no file'}: pass --model FILE.gguf "
+                           "(or the embedded default)")
+    return gguf
+
+
 def lcpp_runner(gguf: Path | None, f32: bool, n_ctx: int, eos_ids: frozenset[int], sampling: SamplingParams,
                 seed: int) -> TurnFn:
     """A bench turn runner over llama.cpp (see the module docstring); gguf: the engine's checkpoint file."""
-    if gguf is None or gguf.suffix.lower() != ".gguf":
-        raise CasspecError(f"the lcpp-ar baselines run a GGUF file, and this engine loaded {gguf or 'no file'}: "
-                           "pass --model FILE.gguf (or the embedded default)")
+    gguf = gguf_source(gguf, "the lcpp-ar baselines run")
     lib = llama_cpp()
     path = f32_gguf(gguf) if f32 else gguf
     threads = torch.get_num_threads()

@@ -29,6 +29,7 @@ from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
 
 from ..calibrate.questions import TurnFn
+from .lcpp import gguf_source
 
 LCPP_SPEC = "lcpp-spec"  # the bench method
 SERVER_ENV = "CASSPEC_LLAMA_SERVER"  # the llama-server binary (else `llama-server` on PATH)
@@ -107,10 +108,7 @@ class Server:
 def lcpp_spec_runner(gguf: Path | None, n_ctx: int, eos_ids: frozenset[int], sampling: SamplingParams,
                      seed: int) -> TurnFn:
     """A bench turn runner over llama-server with its default speculation (module docstring)."""
-    if gguf is None or gguf.suffix.lower() != ".gguf":
-        raise CasspecError(f"lcpp-spec runs a GGUF file, and this engine loaded {gguf or 'no file'}: pass --model "
-                           "FILE.gguf (or the embedded default)")
-    server = Server(gguf, n_ctx, torch.get_num_threads())
+    server = Server(gguf_source(gguf, "lcpp-spec runs"), n_ctx, torch.get_num_threads())
     if sampling.greedy:
         decoding = dict(temperature=0.0, top_k=1, top_p=1.0, min_p=0.0)
     else:

@@ -263,6 +263,21 @@ def test_native_refuses_tensors_of_the_wrong_shape_with_one_line(tmp_path, monke
     assert "\n" not in str(e.value)
 
 
+def test_native_refuses_a_file_without_a_layer_norm_with_one_line(tmp_path, monkeypatch):
+    """A layer norm missing from a native target's file (its name changed) is one CasspecError line, not a forward
+    that fails later on an absent weight."""
+    from casspec.loading.checkpoints import load
+
+    monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path / "cache"))
+    path = tiny_gguf(tmp_path / "m.gguf", dim=64, qtype="Q8_0", pad_vocab=13)
+    raw = path.read_bytes().replace(gstr("blk.0.attn_norm.weight"), gstr("blk.0.attn_nXrm.weight"))
+    edited = tmp_path / "no-norm.gguf"
+    edited.write_bytes(raw)
+    with pytest.raises(CasspecError, match=r"has no tensor blk\.0\.attn_norm\.weight") as e:
+        load(str(edited), native=True)
+    assert "\n" not in str(e.value)
+
+
 def tiny_engine_model():
     from dsia.model import Transformer
 

@@ -162,6 +162,10 @@ def read_native(src: GGUFFile, header: GGUFHeader, spec: ModelSpec, theta: float
                 stored[(i, p)] = w
             proj[FIELDS[p]] = _meta(_shape(w)) if isinstance(w, Codes) else w
         norms = {f: got.get(f"blk.{i}.{g}.weight") for g, f in NORMS.items()}
+        for g, f in NORMS.items():
+            if norms[f] is None and (spec.qk_norm or f not in ("q_norm", "k_norm")):
+                raise CasspecError(f"{gguf} has no tensor blk.{i}.{g}.weight: it is not a complete model; "
+                                   "re-download it")
         layers.append(LayerWeights(**norms, **proj, bias={p: got[f"blk.{i}.{g}.bias"] for g, p in BIASES.items()
                                                          if f"blk.{i}.{g}.bias" in got}))
         part = native_plan(stored, [i])  # (this layer's kernels now: its decoded codes go before the next's)

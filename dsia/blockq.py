@@ -246,8 +246,9 @@ def q3_blocks(w: Tensor, kind: str = "int3") -> BlockLinear:
                        for s in tries])
     s = tries.gather(0, err.argmin(0)[None])[0]
     D = _per_super(s, per)  # [out, supers]
-    a = (s / D.repeat_interleave(per, 1)).round().clamp(1, 127)  # [out, blocks]
-    step = (D.repeat_interleave(per, 1) * a)[..., None]
+    d = D.repeat_interleave(per, 1)  # [out, blocks]: each block's super-block scale
+    a = (s / d).round().clamp(1, 127)  # [out, blocks]
+    step = (d * a)[..., None]
     u = (g / step).round().clamp(-4, 3) + 4
     return BlockLinear(u.reshape(out, n_in), BlockFormat(0, 3, scaled=True, super=per, offset=-4), D, a=a, kind=kind)
 
@@ -261,10 +262,11 @@ def q2_blocks(w: Tensor, kind: str = "int2") -> BlockLinear:
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)  # [out, blocks]
     s, m = (hi - lo) / 3, -lo
     D, Dmin = _per_super(s, per), _per_super(m, per)
-    a = (s / D.repeat_interleave(per, 1)).round().clamp(1, 127)
-    b = (m / Dmin.repeat_interleave(per, 1)).round().clamp(0, 127)
-    step = (D.repeat_interleave(per, 1) * a)[..., None]
-    offset = (Dmin.repeat_interleave(per, 1) * b)[..., None]
+    d, dmin = D.repeat_interleave(per, 1), Dmin.repeat_interleave(per, 1)  # [out, blocks]
+    a = (s / d).round().clamp(1, 127)
+    b = (m / dmin).round().clamp(0, 127)
+    step = (d * a)[..., None]
+    offset = (dmin * b)[..., None]
     u = ((g + offset) / step).round().clamp(0, 3)
     return BlockLinear(u.reshape(out, n_in), BlockFormat(0, 2, scaled=True, mins=2, super=per), D, -Dmin, a, b,
                        kind=kind)

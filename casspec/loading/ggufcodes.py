@@ -66,10 +66,6 @@ def _half(block: np.ndarray, at: int) -> Tensor:
     return torch.from_numpy(block[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32))
 
 
-def _bits(x: np.ndarray, shift, width: int) -> np.ndarray:
-    return (x >> shift) & ((1 << width) - 1)
-
-
 def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K's 12 scale bytes [..., 12] -> 6-bit scales and mins [..., 8] (ggml's get_scale_min_k4)."""
     lo, hi = s[..., 0:4].astype(np.int32), s[..., 4:8].astype(np.int32)

@@ -337,27 +337,33 @@ def serve(engine: Engine, cfg: ServeConfig, sock: socket.socket) -> None:
     print(f"casspec: serving {cfg.model_name or engine.name} (method {cfg.method}) at http://{host}:{port}/v1 "
           f"(queue {cfg.max_queue}{', API key required' if cfg.api_key else ''}; Host names answered: "
           f"{'any' if hosts is None else ', '.join(sorted(hosts))})", file=sys.stderr, flush=True)
-    # the engine runs on this thread (the one that loaded it: Scheduler's docstring says why), the HTTP side on another;
-    # Ctrl+C or SIGTERM here stops both: uvicorn shuts down gracefully, waiting calls get 503
+    # the engine runs on this thread (the one that loaded it: Scheduler's docstring says why), the HTTP side on another.
+    # Ctrl+C or SIGTERM asks uvicorn to shut down, as it does on its own main thread: gracefully, then its lifespan
+    # stops the scheduler (the running generation cancelled at its next step, waiting calls 503, the stop mark that
+    # ends `work`); whatever ends the HTTP side stops the scheduler too, so this thread never waits on nothing
     api = Api(engine, cfg, bound=host, own_thread=False)
     srv = server(engine, cfg, sock, api=api)
-    http = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, name="casspec-http", daemon=True)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+
+    def run_http() -> None:
+        try:
+            srv.run(sockets=[sock])
+        finally:
+            api.scheduler.stop()
+
+    def shut_down(signum: int, frame: object) -> None:
+        srv.should_exit = True
+
+    previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http = threading.Thread(target=run_http, name="casspec-http", daemon=True)
     http.start()
     try:
         api.scheduler.work()
-    except KeyboardInterrupt:
-        pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         srv.should_exit = True
         http.join(timeout=30)
     print("casspec: stopped", file=sys.stderr)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM as Ctrl+C: the serving thread's KeyboardInterrupt."""
-    raise KeyboardInterrupt
 
 
 @contextmanager

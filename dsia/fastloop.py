@@ -100,6 +100,14 @@ class LayerStack:
         name = kernel_for(model.dense, x.shape[0], x.dtype, x.device) if self.dense else "blas"
         if name not in DENSE_KERNELS:
             return None
+        if kv.parts:  # a batched forward: each sequence's rows over its own cache, by casspec's ops and attention
+            if model.pointwise.attention is None or not all(p.kv.own for p in kv.parts):
+                return None
+            return self.stack.run_batch(x, DENSE_KERNELS[name], [p.cache.k for p in kv.parts],
+                                        [p.cache.v for p in kv.parts], cos, sin,
+                                        [p.rows.stop - p.rows.start for p in kv.parts],
+                                        [p.kv.start for p in kv.parts], [p.kv.end for p in kv.parts],
+                                        [p.kv.mask for p in kv.parts])
         rows = kv.rows  # the batch-invariant attention's keys of each row (None: SDPA)
         return self.stack.run(x, DENSE_KERNELS[name], cache.k, cache.v, cos, sin, kv.start, kv.end, kv.mask,
                               kv.is_causal, None if rows is None else rows.bias, None if rows is None else rows.tail,

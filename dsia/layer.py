@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .invariant import RowKeys
+from .kvcache import KVCache
 
 FUSED_GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # projections sharing one input
 
@@ -80,4 +81,15 @@ class KvAccess:
     is_causal: bool = False  # plain causal prefill at slot 0
     rows: RowKeys | None = None  # in place of the mask, each row's keys for the batch-invariant attention
     own: bool = False  # attend with Pointwise.attention (over `mask`, None: causal by slot) instead of SDPA
+    parts: tuple["BatchPart", ...] = ()  # a batched forward's sequences (each its own cache and access; the
+    # fields above then unused)
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """One sequence's rows of a batched forward (continuous batching): written to and attending over its own
+    cache as its KvAccess says, as a forward of its rows alone would."""
+    cache: KVCache
+    rows: slice  # its rows of the forward
+    kv: KvAccess  # its slots in its cache (own attention, or SDPA over its mask)
 

@@ -9,7 +9,8 @@ dsia/layer.py's, the elementwise steps dsia/pointwise.py's.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from .invariant import KEYS_PER_BLOCK, block_attention, invariant_linear, row_ke
 from .cxx import LIBRARY_DTYPES
 from .kernels import DenseFn, DenseKernels
 from .kvcache import KVCache
-from .layer import FUSED_GROUPS, KvAccess, LayerWeights
+from .layer import FUSED_GROUPS, BatchPart, KvAccess, LayerWeights
 from .plan import TARGET, Plan
 from .pointwise import EAGER
 from .spec import DEFAULT_CONTEXT, ModelSpec
@@ -32,6 +33,17 @@ from .variants import GraphBackend, StackBackend, Variants
 # bfloat16: 4 rows 13.5 / 7.4 ms against SDPA's 14.4 / 9.6, 16 rows 17.6 / 17.5 against 18.3 / 18.8); a prompt's
 # more rows by SDPA (64 rows: 50.5 / 60.9 ms against 47.4 / 59.8)
 OWN_ATTENTION_ROWS = 16
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's share of a batched forward (`Transformer.forward_batch`): as forward's arguments."""
+    cache: KVCache  # the sequence's own cache
+    tokens: Tensor  # [T]
+    positions: Tensor  # [T] absolute
+    start: int  # first slot written (>= cache.length)
+    scratch_mask: Tensor | None = None  # [T, start + T - cache.length] bool (None: causal)
+    logits_rows: slice | None = None  # which of its T rows need logits (None: all)
 
 
 class Transformer(Variants):
@@ -152,6 +164,32 @@ class Transformer(Variants):
             kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1,  # causal: prefill at 0
                           own=kernel == "own")
         return self._layers(cache, tokens, positions, kv, plan, logits_rows)
+
+    def forward_batch(self, items: Sequence[BatchItem], plan: Plan = TARGET) -> list[Tensor]:
+        """Several sequences' forwards as one (continuous batching): their rows share every product; each attends
+        over its own cache as `forward` would attend over it alone (by casspec's own attention where it runs, each
+        row's bits then those of the same row alone whatever the rows beside it; SDPA per sequence elsewhere).
+        Returns each item's logits [N_i, V] in float32."""
+        own = self.pointwise.attention is not None and self.dtype in LIBRARY_DTYPES and self.device.type == "cpu"
+        parts, rows, row0 = [], [], 0
+        for it in items:
+            T = it.tokens.shape[0]
+            end = it.start + T
+            if end > it.cache.capacity:
+                raise CasspecError(f"context window full ({it.cache.capacity} tokens); shorten the prompt or the "
+                                   "output")
+            it.cache.reserve(end)
+            mask = self._attn_mask(it.cache.length, it.start, T, it.scratch_mask, None)
+            kv = KvAccess(start=it.start, end=end, mask=mask, is_causal=mask is None and T > 1 and not own, own=own)
+            parts.append(BatchPart(it.cache, slice(row0, row0 + T), kv))
+            picked = range(T)[it.logits_rows] if it.logits_rows is not None else range(T)
+            rows.append(torch.arange(picked.start + row0, picked.stop + row0, picked.step))
+            row0 += T
+        tokens = torch.cat([it.tokens for it in items])  # [sum T]
+        positions = torch.cat([it.positions for it in items])  # [sum T]
+        logits = self._layers(items[0].cache, tokens, positions, KvAccess(parts=tuple(parts)), plan,
+                              torch.cat(rows).to(self.device))  # [sum N, V]
+        return list(logits.split([len(r) for r in rows]))
 
     def _attention_of(self, T: int, plan: Plan) -> str:
         """Which attention a forward over T rows runs: "own" (Pointwise.attention: each row over its own keys, one
@@ -308,6 +346,10 @@ class Transformer(Variants):
     @staticmethod
     def _write_kv(i: int, k: Tensor, v: Tensor, cache: KVCache, kv: KvAccess) -> None:
         """Write layer i's k, v [Hkv, T, hd] (RoPE applied) to the slots the forward writes."""
+        for p in kv.parts:  # (a batched forward: each sequence's rows to its own cache)
+            p.cache.write(i, p.kv.start, k[:, p.rows], v[:, p.rows])
+        if kv.parts:
+            return
         if kv.slots is None:
             cache.write(i, kv.start, k, v)
         else:
@@ -316,11 +358,18 @@ class Transformer(Variants):
     def _attend(self, i: int, lw: LayerWeights, q: Tensor, cache: KVCache, kv: KvAccess, plan: Plan) -> Tensor:
         """Attend with q [H, T, hd] (RoPE applied) to layer i's cache (this forward's k, v written), project:
         [T, D]."""
+        if kv.parts:  # a batched forward: each sequence's rows over its own cache
+            o = torch.cat([self._attend_rows(i, q[:, p.rows], p.cache, p.kv) for p in kv.parts])  # [T, H*hd]
+        else:
+            o = self._attend_rows(i, q, cache, kv)  # [T, H*hd]
+        return self._linear(i, "o", o, lw.wo, plan)
+
+    def _attend_rows(self, i: int, q: Tensor, cache: KVCache, kv: KvAccess) -> Tensor:
+        """Layer i's attention of q [H, T, hd] over its cache as kv says: [T, H*hd] (the output projection's input)."""
         s = self.spec
         T = q.shape[1]
         if kv.own:  # each row over its own keys, one loop
-            o = self.pointwise.attention(q, cache.k[i], cache.v[i], kv.end, kv.mask, s.head_dim ** -0.5)  # [T, H*hd]
-            return self._linear(i, "o", o, lw.wo, plan)
+            return self.pointwise.attention(q, cache.k[i], cache.v[i], kv.end, kv.mask, s.head_dim ** -0.5)
         if kv.rows is not None:  # batch-invariant: each row over its own keys, block by block
             o = block_attention(q, cache.k[i], cache.v[i], kv.rows, s.head_dim ** -0.5)  # [H, T, hd]
         else:
@@ -330,8 +379,7 @@ class Transformer(Variants):
                 keys, values = cache.k[i], cache.v[i]  # [Hkv, capacity + spare, hd]
             o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=kv.mask,
                                                is_causal=kv.is_causal, enable_gqa=s.n_heads != s.n_kv_heads)[0]
-        o = o.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)  # [T, H*hd]
-        return self._linear(i, "o", o, lw.wo, plan)
+        return o.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)  # [T, H*hd]
 
     def _mlp(self, i: int, lw: LayerWeights, x: Tensor, plan: Plan) -> Tensor:
         return self.mlp_down(i, self.mlp_hidden(i, x, plan), plan)  # [T, D]

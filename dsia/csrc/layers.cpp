@@ -234,25 +234,71 @@ struct Stack : torch::CustomClassHolder {
                                          std::optional<at::Tensor> mask, bool is_causal,
                                          std::optional<at::Tensor> rows_bias, std::optional<at::Tensor> rows_tail,
                                          int64_t rows_shared, int64_t rows_end, bool ops, bool own_attention) const {
+    TORCH_CHECK(x.dim() == 2, "casspec Stack: x [T, D] expected");
+    return layers(x, dense_kernel, {casspec::StepPart{k_all, v_all, 0, x.size(0), start, end, mask}}, cos, sin,
+                  is_causal, rows_bias, rows_tail, rows_shared, rows_end, ops, own_attention);
+  }
+
+  // Several sequences' rows in one call (continuous batching): x [T, D] their rows in order, each sequence's
+  // rows[j] rows attending with its own caches ks[j], vs[j] [L, Hkv, S_j, hd], written at slots [starts[j],
+  // starts[j] + rows[j]) and read over [0, ends[j]) as masks[j] [rows[j], ends[j]] (or none: causal by slot) say,
+  // by casspec's ops and attention (each row's bits those of the same row in a call of its sequence alone, as
+  // run(..., ops, own_attention) computes it). cos, sin [T, hd].
+  std::tuple<at::Tensor, at::Tensor> run_batch(at::Tensor x, int64_t dense_kernel, std::vector<at::Tensor> ks,
+                                               std::vector<at::Tensor> vs, at::Tensor cos, at::Tensor sin,
+                                               std::vector<int64_t> rows, std::vector<int64_t> starts,
+                                               std::vector<int64_t> ends,
+                                               std::vector<std::optional<at::Tensor>> masks) const {
+    const size_t n = ks.size();
+    TORCH_CHECK(n >= 1 && vs.size() == n && rows.size() == n && starts.size() == n && ends.size() == n &&
+                    masks.size() == n,
+                "casspec Stack: a batch of at least one sequence, with caches, rows, starts, ends and masks each");
+    std::vector<casspec::StepPart> parts;
+    int64_t row0 = 0;
+    for (size_t j = 0; j < n; ++j) {
+      TORCH_CHECK(rows[j] >= 1, "casspec Stack: a sequence of the batch has ", rows[j], " rows");
+      parts.push_back(casspec::StepPart{ks[j], vs[j], row0, rows[j], starts[j], ends[j], masks[j]});
+      row0 += rows[j];
+    }
+    return layers(x, dense_kernel, parts, cos, sin, false, std::nullopt, std::nullopt, 0, 0, true, true);
+  }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> layers(at::Tensor x, int64_t dense_kernel,
+                                            const std::vector<casspec::StepPart>& parts, at::Tensor cos,
+                                            at::Tensor sin, bool is_causal, std::optional<at::Tensor> rows_bias,
+                                            std::optional<at::Tensor> rows_tail, int64_t rows_shared,
+                                            int64_t rows_end, bool ops, bool own_attention) const {
     TORCH_CHECK(dense_kernel == kBlas || dense_kernel == kMkl || dense_kernel == kOwn,
                 "casspec Stack: dense kernel 1 (blas), 2 (mkl) or 3 (casspec)");
     const int64_t n_layers = static_cast<int64_t>(norms.size()) / 2;
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_floating_point(),
                 "casspec Stack: x [T, D] floating point on the CPU expected");
-    TORCH_CHECK(k_all.dim() == 4 && v_all.sizes() == k_all.sizes() && k_all.size(0) >= n_layers &&
-                    k_all.size(1) == n_kv_heads && k_all.device().is_cpu() && v_all.device().is_cpu() &&
-                    k_all.scalar_type() == x.scalar_type() && v_all.scalar_type() == x.scalar_type(),
-                "casspec Stack: K and V caches [", n_layers, ", ", n_kv_heads, ", S, hd] of x's dtype expected, got ",
-                k_all.sizes(), " and ", v_all.sizes());
     const int64_t T = x.size(0);
-    const int64_t hd = k_all.size(3), S = k_all.size(2);
+    TORCH_CHECK(parts.size() == 1 || own_attention, "casspec Stack: a batch of sequences attends by its own op");
+    int64_t covered = 0, hd = 0;
+    for (const casspec::StepPart& p : parts) {
+      const at::Tensor &k_all = p.k, &v_all = p.v;
+      TORCH_CHECK(k_all.dim() == 4 && v_all.sizes() == k_all.sizes() && k_all.size(0) >= n_layers &&
+                      k_all.size(1) == n_kv_heads && k_all.device().is_cpu() && v_all.device().is_cpu() &&
+                      k_all.scalar_type() == x.scalar_type() && v_all.scalar_type() == x.scalar_type() &&
+                      (hd == 0 || k_all.size(3) == hd),
+                  "casspec Stack: K and V caches [", n_layers, ", ", n_kv_heads, ", S, hd] of x's dtype expected, got ",
+                  k_all.sizes(), " and ", v_all.sizes());
+      hd = k_all.size(3);
+      const int64_t S = k_all.size(2);
+      TORCH_CHECK(p.row0 == covered && p.rows >= 1 && p.start >= 0 && p.start <= S - p.rows &&
+                      p.end >= p.start + p.rows && p.end <= S,
+                  "casspec Stack: slots [", p.start, ", ", p.start + p.rows, ") written and [0, ", p.end,
+                  ") read must lie within the cache's ", S);
+      TORCH_CHECK(!p.mask || (p.mask->dim() == 2 && p.mask->size(0) == p.rows && p.mask->size(1) == p.end),
+                  "casspec Stack: mask [", p.rows, ", ", p.end, "] expected");
+      covered += p.rows;
+    }
+    TORCH_CHECK(covered == T, "casspec Stack: the sequences' rows (", covered, ") are not x's ", T);
     TORCH_CHECK(hd >= 2 && hd % 2 == 0, "casspec Stack: an even head size expected, got ", hd);
-    TORCH_CHECK(start >= 0 && start <= S - T && end >= start + T && end <= S, "casspec Stack: slots [", start, ", ",
-                start + T, ") written and [0, ", end, ") read must lie within the cache's ", S);
     TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == hd && sin.sizes() == cos.sizes(),
                 "casspec Stack: cos and sin [", T, ", ", hd, "] expected, got ", cos.sizes(), " and ", sin.sizes());
-    TORCH_CHECK(!mask || (mask->dim() == 2 && mask->size(0) == T && mask->size(1) == end), "casspec Stack: mask [",
-                T, ", ", end, "] expected");
     const bool gqa = n_heads != n_kv_heads;
     // casspec's ops run this call's norms and RoPE (float32 or bfloat16)
     const bool own = ops && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
@@ -272,10 +318,14 @@ struct Stack : torch::CustomClassHolder {
     auto rotate = [&](const at::Tensor& t, const at::Tensor& c, const at::Tensor& s) {
       return own ? casspec::rope(t, c, s) : rope(t, c, s);
     };
+    const bool contiguous = std::all_of(parts.begin(), parts.end(), [](const casspec::StepPart& p) {
+      return p.k.is_contiguous() && p.v.is_contiguous();
+    });
     if (own_step && own && own_attention && !rows_bias && (!own_step->dense() || dense_kernel == kOwn) &&
-        x.scalar_type() == own_step->dtype() && k_all.is_contiguous() && v_all.is_contiguous()) {
-      return own_step->run(x, k_all, v_all, cos, sin, start, end, mask);  // (the same bits in one parallel region)
+        x.scalar_type() == own_step->dtype() && contiguous) {
+      return own_step->run(x, parts, cos, sin);  // (the same bits in one parallel region)
     }
+    TORCH_CHECK(own || parts.size() == 1, "casspec Stack: a batch of sequences runs casspec's ops");
     at::Tensor delta;  // the last sublayer's output, added to x together with the next norm
     for (int64_t i = 0; i < n_layers; ++i) {
       const int64_t s = kSlots * i;
@@ -317,21 +367,28 @@ struct Stack : torch::CustomClassHolder {
         q = rotate(q, cos, sin);
         k = rotate(k, cos, sin);
       }
-      at::Tensor k_layer = k_all.select(0, i);  // [Hkv, S, hd]
-      at::Tensor v_layer = v_all.select(0, i);
-      k_layer.slice(1, start, start + T).copy_(k);
-      v_layer.slice(1, start, start + T).copy_(v);
       const double scale = std::pow(static_cast<double>(hd), -0.5);
       at::Tensor o;  // [T, H*hd]
-      if (own_attention) {
-        o = casspec::attention(q, k_layer, v_layer, end, mask, scale);
-      } else {
+      std::vector<at::Tensor> outs;  // each sequence's rows of o (own attention)
+      for (const casspec::StepPart& p : parts) {
+        at::Tensor k_layer = p.k.select(0, i);  // [Hkv, S, hd]
+        at::Tensor v_layer = p.v.select(0, i);
+        k_layer.slice(1, p.start, p.start + p.rows).copy_(k.slice(1, p.row0, p.row0 + p.rows));
+        v_layer.slice(1, p.start, p.start + p.rows).copy_(v.slice(1, p.row0, p.row0 + p.rows));
+        if (own_attention) {
+          outs.push_back(casspec::attention(q.slice(1, p.row0, p.row0 + p.rows), k_layer, v_layer, p.end, p.mask,
+                                            scale));
+          continue;
+        }
         o = rows_bias ? block_attention(q, k_layer, v_layer, rows_shared, *rows_bias, rows_tail, rows_end, scale, inv)
                       : at::scaled_dot_product_attention(
-                            q.unsqueeze(0), k_layer.slice(1, 0, end).unsqueeze(0),
-                            v_layer.slice(1, 0, end).unsqueeze(0), mask, 0.0, is_causal, std::nullopt,
+                            q.unsqueeze(0), k_layer.slice(1, 0, p.end).unsqueeze(0),
+                            v_layer.slice(1, 0, p.end).unsqueeze(0), p.mask, 0.0, is_causal, std::nullopt,
                             gqa)[0];  // [H, T, hd]
         o = o.transpose(0, 1).reshape({T, n_heads * hd});
+      }
+      if (own_attention) {
+        o = outs.size() == 1 ? outs[0] : at::cat(outs, 0);
       }
       delta = product(o, s + 3, dense_kernel);
       // MLP
@@ -377,5 +434,6 @@ TORCH_LIBRARY(casspec, m) {
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
                        std::vector<int64_t>>())
       .def("run", &Stack::run)
+      .def("run_batch", &Stack::run_batch)
       .def("one_region", &Stack::one_region);
 }

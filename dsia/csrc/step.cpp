@@ -187,25 +187,60 @@ std::unique_ptr<OwnStep> OwnStep::from(const std::vector<at::Tensor>& norms, con
   return step;
 }
 
-std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tensor& k_all, at::Tensor& v_all,
-                                                const at::Tensor& cos, const at::Tensor& sin, int64_t start,
-                                                int64_t end, const std::optional<at::Tensor>& mask) const {
+std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, const std::vector<StepPart>& parts,
+                                                const at::Tensor& cos, const at::Tensor& sin) const {
   const int64_t T = x_in.size(0), D = D_, H = H_, Hkv = Hkv_, hd = hd_, I = I_, G = H / Hkv;
-  const int64_t L = static_cast<int64_t>(layers_.size()), S = k_all.size(2), HD = H * hd;
+  const int64_t L = static_cast<int64_t>(layers_.size()), HD = H * hd;
   const at::ScalarType dtype = this->dtype();
   const bool bf16 = bf16_;
   TORCH_CHECK(x_in.scalar_type() == dtype && x_in.dim() == 2 && x_in.size(1) == D, kWhat, ": x [T, ", D, "] in ",
               c10::toString(dtype), " expected");
-  TORCH_CHECK(k_all.scalar_type() == dtype && v_all.scalar_type() == dtype && k_all.is_contiguous() &&
-                  v_all.is_contiguous() && k_all.dim() == 4 && k_all.sizes() == v_all.sizes() && k_all.size(0) >= L &&
-                  k_all.size(1) == Hkv && k_all.size(3) == hd && start >= 0 && start + T <= S && end <= S,
-              kWhat, ": K and V caches [", L, ", ", Hkv, ", S, ", hd, "] in ", c10::toString(dtype),
-              " contiguous expected, holding slots [", start, ", ", start + T, ") and [0, ", end, ")");
+  // each part's caches (their layer 0 at k, v; S slots a head), mask, and the part of every row
+  struct Part {
+    float* k;
+    float* v;
+    uint16_t* k16;
+    uint16_t* v16;
+    int64_t S, row0, rows, start, end;
+    at::Tensor mask;
+    const bool* seen;
+  };
+  std::vector<Part> ps;
+  std::vector<int64_t> part_of(T, -1);
+  int64_t covered = 0;
+  for (const StepPart& p : parts) {
+    const at::Tensor &k_all = p.k, &v_all = p.v;
+    TORCH_CHECK(k_all.scalar_type() == dtype && v_all.scalar_type() == dtype && k_all.is_contiguous() &&
+                    v_all.is_contiguous() && k_all.dim() == 4 && k_all.sizes() == v_all.sizes() &&
+                    k_all.size(0) >= L && k_all.size(1) == Hkv && k_all.size(3) == hd,
+                kWhat, ": K and V caches [", L, ", ", Hkv, ", S, ", hd, "] in ", c10::toString(dtype),
+                " contiguous expected");
+    const int64_t S = k_all.size(2);
+    TORCH_CHECK(p.row0 == covered && p.rows >= 1 && p.row0 + p.rows <= T && p.start >= 0 && p.start + p.rows <= S &&
+                    p.end >= p.start + p.rows && p.end <= S,
+                kWhat, ": a part of rows [", p.row0, ", ", p.row0 + p.rows, ") of ", T, " (parts in row order, ",
+                "covering them) writing slots [", p.start, ", ", p.start + p.rows, ") and reading [0, ", p.end,
+                ") of ", S);
+    covered += p.rows;
+    at::Tensor m = visible_mask(p.mask, p.rows, p.end, kWhat);
+    Part q{bf16 ? nullptr : k_all.data_ptr<float>(), bf16 ? nullptr : v_all.data_ptr<float>(),
+           bf16 ? reinterpret_cast<uint16_t*>(k_all.data_ptr<at::BFloat16>()) : nullptr,
+           bf16 ? reinterpret_cast<uint16_t*>(v_all.data_ptr<at::BFloat16>()) : nullptr,
+           S, p.row0, p.rows, p.start, p.end, m, m.defined() ? m.data_ptr<bool>() : nullptr};
+    std::fill(part_of.begin() + p.row0, part_of.begin() + p.row0 + p.rows, static_cast<int64_t>(ps.size()));
+    ps.push_back(std::move(q));
+  }
+  TORCH_CHECK(covered == T, kWhat, ": parts cover ", covered, " of the ", T, " rows");
+  // the attention's items: a part's block of rows (and a query head each)
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> row_blocks;  // (part, r0, r1) with rows absolute
+  for (int64_t j = 0; j < static_cast<int64_t>(ps.size()); ++j) {
+    for (int64_t r0 = ps[j].row0; r0 < ps[j].row0 + ps[j].rows; r0 += kRowBlock) {
+      row_blocks.emplace_back(j, r0, std::min(ps[j].row0 + ps[j].rows, r0 + kRowBlock));
+    }
+  }
   const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();  // (widened: exact)
   TORCH_CHECK(c.dim() == 2 && c.size(0) == T && c.size(1) == hd && s.sizes() == c.sizes(), kWhat, ": cos and sin [",
               T, ", ", hd, "] expected");
-  const at::Tensor m = visible_mask(mask, T, end, kWhat);
-  const bool* seen = m.defined() ? m.data_ptr<bool>() : nullptr;
   const auto f = x_in.options().dtype(at::kFloat);
   at::Tensor x = x_in.to(at::kFloat).clone(at::MemoryFormat::Contiguous);  // (a bfloat16 one widened: exact)
   at::Tensor delta = x_in.new_empty({T, D}, f), h = x_in.new_empty({T, D}, f);
@@ -224,15 +259,10 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
   float* A = att.data_ptr<float>();
   float* GU = gu.data_ptr<float>();
   float* Act = act.data_ptr<float>();
-  float* Kc = bf16 ? nullptr : k_all.data_ptr<float>();
-  float* Vc = bf16 ? nullptr : v_all.data_ptr<float>();
-  uint16_t* Kc16 = bf16 ? reinterpret_cast<uint16_t*>(k_all.data_ptr<at::BFloat16>()) : nullptr;
-  uint16_t* Vc16 = bf16 ? reinterpret_cast<uint16_t*>(v_all.data_ptr<at::BFloat16>()) : nullptr;
   const float* C = c.data_ptr<float>();
   const float* Sn = s.data_ptr<float>();
   const Isa dense_isa = machine_isa(), block_isa = raw::block_isa();
   const float scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
-  const int64_t row_blocks = (T + kRowBlock - 1) / kRowBlock;
   const bool head_blocks = hd % raw::kBlockInputs == 0;  // each head's outputs whole blocks of o's input
   const bool silu_blocks = I % raw::kBlockInputs == 0;
 
@@ -287,10 +317,6 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
     };
     for (int64_t i = 0; i < L; ++i) {
       const StepLayer& layer = layers_[i];
-      float* Kl = bf16 ? nullptr : Kc + i * Hkv * S * hd;  // [Hkv, S, hd]
-      float* Vl = bf16 ? nullptr : Vc + i * Hkv * S * hd;
-      uint16_t* Kl16 = bf16 ? Kc16 + i * Hkv * S * hd : nullptr;  // (bfloat16 caches)
-      uint16_t* Vl16 = bf16 ? Vc16 + i * Hkv * S * hd : nullptr;
       residual_norm(i > 0, layer.attn_norm, layer.qkv.quantized);
       products(layer.qkv, Hn, QKV);
       {  // RoPE of each row's q and k heads (k into the cache), its v heads copied into the cache
@@ -304,16 +330,18 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
             continue;
           }
           const bool key = j < H + Hkv;
-          const int64_t slot = ((key ? j - H : j - H - Hkv) * S + start + t) * hd;  // in its layer's [Hkv, S, hd]
+          const Part& p = ps[part_of[t]];
+          // in its part's layer i [Hkv, S, hd]
+          const int64_t slot = ((i * Hkv + (key ? j - H : j - H - Hkv)) * p.S + p.start + t - p.row0) * hd;
           float rotated[kMaxHeadDim];
-          float* to = bf16 ? rotated : (key ? Kl : Vl) + slot;  // (float32: straight into the cache)
+          float* to = bf16 ? rotated : (key ? p.k : p.v) + slot;  // (float32: straight into the cache)
           if (key) {
             raw::rope_row(in, C + t * hd, Sn + t * hd, to, hd, bf16);
           } else {
             std::memcpy(to, in, sizeof(float) * hd);
           }
           if (bf16) {  // bfloat16 values into the cache's bits (exact)
-            uint16_t* bits = (key ? Kl16 : Vl16) + slot;
+            uint16_t* bits = (key ? p.k16 : p.v16) + slot;
             for (int64_t e = 0; e < hd; ++e) {
               bits[e] = c10::BFloat16(rotated[e]).x;
             }
@@ -321,20 +349,24 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, at::Tens
         }
       }
 #pragma omp barrier
-      {  // attention, a query head's block of rows at a time (and its outputs' 8-bit blocks)
-        auto [a, b] = share(H * row_blocks, tid, n);
+      {  // attention, a query head's block of rows of a part at a time (and its outputs' 8-bit blocks)
+        auto [a, b] = share(H * static_cast<int64_t>(row_blocks.size()), tid, n);
         for (int64_t item = a; item < b; ++item) {
-          const int64_t head = item % H, r0 = item / H * kRowBlock, r1 = std::min(T, r0 + kRowBlock);
-          const int64_t g = head / G;
+          const int64_t head = item % H, g = head / G;
+          const auto [j, r0, r1] = row_blocks[item / H];
+          const Part& p = ps[j];
+          const int64_t layer_at = (i * Hkv + g) * p.S * hd;  // its layer's KV head in the part's caches
+          const float* qp = Q + p.row0 * HD + head * hd;  // the part's row 0
+          float* out = A + p.row0 * HD + head * hd;
           if (bf16) {  // (its outputs rounded to bfloat16, as the op's are)
-            raw::attend(Q + head * hd, HD, Kl16 + g * S * hd, Vl16 + g * S * hd, hd, seen, T, end, r0, r1, 1, hd,
-                        scale, A + head * hd, HD);
+            raw::attend(qp, HD, p.k16 + layer_at, p.v16 + layer_at, hd, p.seen, p.rows, p.end, r0 - p.row0,
+                        r1 - p.row0, 1, hd, scale, out, HD);
             for (int64_t t = r0; t < r1; ++t) {
               raw::round_bf16(A + t * HD + head * hd, hd);
             }
           } else {
-            raw::attend(Q + head * hd, HD, Kl + g * S * hd, Vl + g * S * hd, hd, seen, T, end, r0, r1, 1, hd, scale,
-                        A + head * hd, HD);
+            raw::attend(qp, HD, p.k + layer_at, p.v + layer_at, hd, p.seen, p.rows, p.end, r0 - p.row0, r1 - p.row0,
+                        1, hd, scale, out, HD);
           }
           if (layer.o.quantized && head_blocks) {
             for (int64_t t = r0; t < r1; ++t) {

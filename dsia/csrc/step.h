@@ -51,6 +51,15 @@ struct StepGroup {
   int64_t units() const;
 };
 
+// one sequence's share of a call: rows [row0, row0 + rows) of x, attending with its own K/V caches [L, Hkv, S, hd]
+// (contiguous), written at slots [start, start + rows) and read over [0, end) as mask [rows, end] says (none:
+// causal by slot, row t at slot end - rows + t); a batched call has one per sequence, in row order
+struct StepPart {
+  at::Tensor k, v;
+  int64_t row0, rows, start, end;
+  std::optional<at::Tensor> mask;
+};
+
 struct StepLayer {
   const float* attn_norm;  // [D]
   const float* mlp_norm;  // [D]
@@ -70,11 +79,10 @@ class OwnStep {
                                        int64_t n_heads, int64_t n_kv_heads, double eps);
   bool dense() const { return dense_; }  // whether some product is dense (the call's dense kernel must be casspec's)
   at::ScalarType dtype() const { return bf16_ ? at::kBFloat16 : at::kFloat; }  // of the calls it runs
-  // x [T, D] after the embedding; k_all, v_all [L, Hkv, S, hd] contiguous, written at [start, start + T), read over
-  // [0, end); cos, sin [T, hd]; mask [T, end] bool or none (causal); all in dtype(). -> (x, delta) as Stack::run.
-  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, at::Tensor& k_all, at::Tensor& v_all,
-                                         const at::Tensor& cos, const at::Tensor& sin, int64_t start, int64_t end,
-                                         const std::optional<at::Tensor>& mask) const;
+  // x [T, D] after the embedding; parts (StepPart, caches in dtype()) covering its rows in order; cos, sin [T, hd];
+  // all in dtype(). -> (x, delta) as Stack::run.
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const std::vector<StepPart>& parts,
+                                         const at::Tensor& cos, const at::Tensor& sin) const;
 
  private:
   std::vector<StepLayer> layers_;

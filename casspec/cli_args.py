@@ -102,8 +102,10 @@ def _serve_args(sub) -> None:
     _method_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed)")
-    s.add_argument("--max-queue", type=int, default=32, help="requests that may wait while one generates; one "
-                   "more gets 429 with Retry-After (default 32)")
+    s.add_argument("--max-queue", type=int, default=32, help="requests that may wait while --max-batch generate; "
+                   "one more gets 429 with Retry-After (default 32)")
+    s.add_argument("--max-batch", type=int, default=8, help="requests generating at once: every step one target "
+                   "forward verifies all their drafts (continuous batching; default 8)")
     s.add_argument("--api-key", default=os.environ.get("CASSPEC_API_KEY"), help="require 'Authorization: Bearer "
                    "KEY' on /v1/* (default: $CASSPEC_API_KEY; none: no key)")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "

@@ -41,6 +41,15 @@ from .tree import DraftTree, ancestor_mask, position_ids
 from .verify import Noise
 
 
+@dataclass(frozen=True)
+class Load:
+    """What a batched step verifies besides this generation's tree (continuous batching, casspec/runtime/batch.py):
+    dytc weighs its drafts against the whole step's throughput."""
+    rows: int  # the other generations' rows in the step's target forward
+    tokens: float  # the tokens they are expected to emit
+    draft_ms: float  # their drafting time (the step waits for it)
+
+
 @dataclass
 class DraftContext:
     model: Transformer
@@ -54,6 +63,7 @@ class DraftContext:
     noise: Noise | None = None  # sampling: the verifier's position-owned noise, which coupled drafts use too
     draft_forwards: int = 0  # level forwards run by the policy in this generation
     draft_ms: float = 0.0  # their measured time
+    load: Load | None = None  # a batched step's other generations (None: this one alone)
     forwards: list[tuple[str, int, bool]] | None = None  # every level forward (level, tokens, tree mask) when a
     # caller records them (the oracle replay); None: not recorded
 

@@ -40,9 +40,9 @@ them again; quantized, sparse and vocabulary levels write every layer and are re
 
 Fallback: when even the best first action does not beat AR, the step verifies the root alone (counted as a
 fallback step). After `explore_every` fallbacks in a row one tree is drafted anyway, so that the estimates keep
-learning; a level not drafted with for `explore_level_after` steps takes a step's first action (`_stale_level`).
-Sampling: every drafted token is deterministic (q one-hot); the engine verifies such trees with
-`verify.verify_coupled` (position-owned Gumbel noise), which is lossless whatever was drafted.
+learning; a level not drafted with for `explore_level_after` steps takes a step's first action (`stale_level`).
+Sampling: every drafted token is deterministic (q one-hot), verified by `verify.verify_coupled` (lossless whatever
+was drafted). Batched (`new_step`): the rate is the whole step's, so a wide batch drafts less, down to the root.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ from .costs import COST_REFRESH_STEPS, cost_tables
 from .latency import TARGET_LEVEL
 from .ngram import Lookup, new_lookup
 from .policies import DraftContext, Policy
-from .router_step import (Action, Node, RouterConfig, Step, consecutive_runs, geometric, held_lookups,
+from .router_step import (Action, Node, RouterConfig, Step, consecutive_runs, geometric, held_lookups, stale_level,
                           unused_proposals)
 from .sources import LOOKUPS, OVERRULED, held, is_lookup, overruled, sibling
 from .tree import DraftTree, ancestor_rows, is_chain
@@ -91,8 +91,9 @@ class DyTC(Policy):
         self.free_tests = 0  # lookup tokens tested without being drafted (router_step.unused_proposals)
         self.held: set[str] = set()  # lookups whose proposal at the last step's root held over all it emitted
         self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
-        self.tables: tuple[int, list[float], dict[str, list[float]]] | None = None  # the cost tables (step predicted
-        # at, verify_ms, level_ms), predicted again every COST_REFRESH_STEPS steps
+        # the cost tables (step predicted at, other generations' rows, verify_ms, level_ms), predicted again every
+        # COST_REFRESH_STEPS steps and when a batched step's other rows change
+        self.tables: tuple[int, int, list[float], dict[str, list[float]]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def begin(self, ctx: DraftContext) -> None:
@@ -103,15 +104,13 @@ class DyTC(Policy):
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         assert self.step is not None and self.step.tree is tree, "observe the tree this router drafted last"
-        nodes, on_path = self.step.nodes, set(path)
-        outcomes = []
+        nodes, on_path, outcomes = self.step.nodes, set(path), []
         for n in range(1, len(tree)):
             self.drafted[nodes[n].source] = self.drafted.get(nodes[n].source, 0) + 1
             if tree.parents[n] in on_path:  # tested: the target looked at this token
                 outcomes.append((nodes[n].source, nodes[n].belief, n in on_path))
                 o = self.outcomes.setdefault(nodes[n].source, [0, 0])
-                o[0] += 1
-                o[1] += int(n in on_path)
+                o[0], o[1] = o[0] + 1, o[1] + int(n in on_path)
         free = unused_proposals(self.step, emitted, self.held)
         self.free_tests += len(free)
         self.tracker.update(outcomes + free)
@@ -137,16 +136,20 @@ class DyTC(Policy):
 
     def new_step(self, ctx: DraftContext, n_max: int) -> Step:
         """A step holding the root alone, with the cost tables (predicted again where COST_REFRESH_STEPS have passed
-        or they are too short for n_max nodes); its time spent starts at O."""
-        if self.tables is None or self.steps - self.tables[0] >= COST_REFRESH_STEPS or len(self.tables[1]) <= n_max:
+        or they are too short for n_max nodes); its time spent starts at O. Batched (ctx.load): the whole step's
+        throughput, the others' rows in the verification's cost, their tokens in E, their drafting in D."""
+        load = ctx.load if self.cfg.constant_cost is None else None
+        others = load.rows if load is not None else 0
+        t = self.tables
+        if t is None or self.steps - t[0] >= COST_REFRESH_STEPS or len(t[2]) <= n_max or t[1] != others:
             verify_ms, level_ms = cost_tables(ctx.latency, list(self.levels), ctx.cache.length, n_max,
-                                              self.cfg.constant_cost)
+                                              self.cfg.constant_cost, others)
             measured = ctx.latency is not None and all(map(ctx.latency.known, [TARGET_LEVEL, *self.levels]))
-            self.tables = (self.steps if measured else -COST_REFRESH_STEPS,  # (guesses: predicted again next step)
-                           verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
+            t = self.tables = (self.steps if measured else -COST_REFRESH_STEPS,  # (guesses: predicted again next)
+                               others, verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
         overhead = self.overhead_ms if self.cfg.step_overhead and self.cfg.constant_cost is None else 0.0
-        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], self.tables[1], self.tables[2],
-                    spent=overhead)
+        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], t[2], t[3],
+                    spent=overhead + (load.draft_ms if load else 0.0), base=load.tokens if load else 0.0)
 
     # ------------------------------------------------------------------ drafting
     def draft(self, ctx: DraftContext) -> DraftTree:
@@ -163,7 +166,7 @@ class DyTC(Policy):
         n_max = max(1, min(cfg.max_nodes, ctx.room))
         step = self.step = self.new_step(ctx, n_max)
         self.steps += 1
-        forced = self._stale_level(step)
+        forced = stale_level(self.cfg, step, self.last_drafted, self.steps)
         while len(step.tree) < n_max:
             first = len(step.tree) == 1
             act = self.best_action(ctx, step, n_max)
@@ -193,19 +196,6 @@ class DyTC(Policy):
             self.fallback_steps += 1
         self.tree_sizes.append(len(step.tree))
         return step.tree
-
-    def _stale_level(self, step: Step) -> str | None:
-        """Exploration: the routed level drafted with longest ago, where that is over `explore_level_after` steps ago,
-        among those whose chain of k tokens, all accepted, beats AR for some k (a level costing a target step is not
-        forced); it takes the step's first action, so that an estimate never tested otherwise is (at most one step
-        in that many; `explore_steps` and `explore_loss`, the predicted throughput each gave up, are reported)."""
-        if (after := self.cfg.explore_level_after) is None or len(self.levels) < 2:
-            return None
-        V, ks = step.verify_ms, range(1, min(self.cfg.lookahead, len(step.verify_ms) - 2) + 1)
-        could_pay = [n for n in self.levels
-                     if any((1 + k) / (k * step.level_ms[n][1] + V[1 + k]) > 1 / V[1] for k in ks)]
-        name = min(could_pay, key=lambda n: self.last_drafted[n], default=None)
-        return name if name is not None and self.steps - self.last_drafted[name] > after else None
 
     def best_action(self, ctx: DraftContext, step: Step, n_max: int, only: str | None = None) -> Action | None:
         """The action with the best resulting throughput over the most probable nodes (None: no node can grow);

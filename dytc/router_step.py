@@ -66,11 +66,12 @@ class Step:
     # the router's inner loops index them thousands of times a step)
     level_ms: dict[str, list[float]]  # level -> [n_max + 1] predicted forward ms by token count (index 0 unused)
     spent: float = 0.0  # predicted draft ms of the actions taken
+    base: float = 0.0  # expected tokens of the other generations in a batched step (their rows priced in verify_ms)
 
     @property
     def expected(self) -> float:
-        """E: expected tokens the step emits (accepted drafts plus the bonus token)."""
-        return sum(nd.p for nd in self.nodes)
+        """E: expected tokens the step emits (accepted drafts plus the bonus token; a batched step's others' too)."""
+        return self.base + sum(nd.p for nd in self.nodes)
 
     @property
     def rate(self) -> float:
@@ -144,3 +145,17 @@ def geometric(a: float, t: float) -> float:
     whole = int(t)
     total = a * (1 - a ** whole) / (1 - a) if a < 1 else float(whole)
     return total + (t - whole) * a ** (whole + 1)
+
+
+def stale_level(cfg: RouterConfig, step: Step, last_drafted: dict[str, int], steps: int) -> str | None:
+    """Exploration: the routed level drafted with longest ago (last_drafted: level -> the step it last drafted in;
+    steps: this one), where that is over `explore_level_after` steps ago, among those whose chain of k tokens, all
+    accepted, beats AR for some k (a level costing a target step is not forced); it takes the step's first action,
+    so that an estimate never tested otherwise is (at most one step in that many; the router reports
+    `explore_steps` and `explore_loss`, the predicted throughput each gave up)."""
+    if (after := cfg.explore_level_after) is None or len(last_drafted) < 2:
+        return None
+    V, ks = step.verify_ms, range(1, min(cfg.lookahead, len(step.verify_ms) - 2) + 1)
+    could_pay = [n for n in last_drafted if any((1 + k) / (k * step.level_ms[n][1] + V[1 + k]) > 1 / V[1] for k in ks)]
+    name = min(could_pay, key=lambda n: last_drafted[n], default=None)
+    return name if name is not None and steps - last_drafted[name] > after else None

@@ -1,7 +1,7 @@
-"""Streaming text (casspec/runtime/detok.py through Engine._stream): the pieces concatenate to the whole output's decode
-(multi-byte characters split across tokens, SentencePiece leading spaces, byte fallback, skipped special tokens),
-stop strings end the text where decoding the whole output again after every token ends it, and the decoding work
-is linear in the output's length."""
+"""Streaming text (casspec/runtime/detok.py through a generation's text side, live.py): the pieces concatenate to the
+whole output's decode (multi-byte characters split across tokens, SentencePiece leading spaces, byte fallback,
+skipped special tokens), stop strings end the text where decoding the whole output again after every token ends it,
+and the decoding work is linear in the output's length."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from casspec.runtime.engine import Engine, Request
-from casspec.runtime.stats import Result
+from casspec.runtime.live import Live
+from casspec.runtime.stats import Result, Stats
 from tiny import tiny_engine, tiny_tokenizer
 
 ALPHABET = "ab xyz.,!\n" + "éïñü" + "世界中文字" + "😀🚀👍🏽🧑‍🚀"  # one to four UTF-8 bytes a char
@@ -18,19 +19,26 @@ FEW = settings(max_examples=30, deadline=None)
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    """A tiny engine whose decode loop `stream` replaces by scripted blocks of tokens: its text side runs as it does
-    in a generation. No token is an EOS (special tokens are then only skipped by the decode)."""
+    """A tiny engine whose tokenizer decodes the scripted blocks `stream` feeds a generation's text side. No token
+    is an EOS (special tokens are then only skipped by the decode)."""
     e = tiny_engine()
     e.eos_ids = frozenset()
     return e
 
 
 def stream(e: Engine, tokenizer, blocks: list[list[int]], stop: tuple[str, ...] = ()) -> tuple[list[str], Result]:
-    """The pieces the engine streams when its steps commit `blocks`, and its Result."""
+    """The pieces a generation streams when its steps commit `blocks` (as Engine._stream feeds them), and its
+    Result."""
     e.tokenizer = tokenizer
-    e._decode = lambda prompt_ids, req, stats, policy: iter(blocks)
-    pieces = list(e.stream_ids([5], Request(method="ar", max_new_tokens=sum(map(len, blocks)) + 1, stop=stop)))
-    return pieces, e.last_result
+    req = Request(method="ar", max_new_tokens=sum(map(len, blocks)) + 1, stop=stop)
+    live = Live(req, Stats(method="ar"), e.decode, e.eos_ids, None, 0.0)
+    pieces = []
+    for block in blocks:
+        pieces.append(live.feed(block))
+        if live.finished:
+            break
+    result, last = live.close()
+    return [p for p in pieces + [last] if p], result
 
 
 def split(ids: list[int], sizes: list[int]) -> list[list[int]]:

@@ -42,7 +42,7 @@ def url(engine):
 @pytest.fixture(scope="module")
 def guarded(engine):
     """A second server over the same engine: ar, an API key, one place in the queue."""
-    with background(engine, ServeConfig(model_name="tiny", method="ar", max_queue=1, api_key=KEY)) as base:
+    with background(engine, ServeConfig(model_name="tiny", method="ar", max_queue=1, max_batch=1, api_key=KEY)) as base:
         yield base
 
 
@@ -212,7 +212,7 @@ def test_a_generation_that_fails_is_reported_and_the_server_keeps_serving(url, e
         raise RuntimeError("device lost")
 
     failed = metrics(url)["casspec:request_failed_total"]
-    monkeypatch.setattr(engine, "stream_ids", broken)
+    monkeypatch.setattr(engine, "open", broken)  # (the generation's start: its policy, its prompt's forward)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 3})
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     assert "device lost" not in r.text and "the server's log has the details" in r.text  # the details: the log's

@@ -1,5 +1,7 @@
-"""The engine: prompt in, tokens out. `generate` -> `_stream` (the lock, text, stops, the Result) -> `_decode` (the
-prompt's forward, the drafting context) -> `step.steps`, the decode loop: draft -> verify -> accept -> update.
+"""The engine: prompt in, tokens out. `generate` -> `_stream` (the lock) -> `open` (the policy, the prompt's forward,
+the drafting context) -> `Decoding.steps` (step.py), the decode loop: draft -> verify -> accept -> update, its blocks
+fed to the generation's text side (live.py: stops, the Result). `casspec serve` runs several generations at once
+through `open`, `step.verify_batch` and `close` (runtime/batch.py).
 
 Threads: one engine runs one generation at a time (one KV cache; shared levels, acceptance and latency state).
 `generate`, `generate_ids`, `stream_ids`, `encode` and `decode` may be called from several threads: a generation
@@ -28,7 +30,7 @@ from dytc.sampling import SamplingParams
 from dytc.verify import Noise
 
 from .defaults import BOTTOM, LEVEL, MAX_NEW_TOKENS, METHOD
-from .detok import TextStream
+from .live import CacheSlot, Live
 from ..calibrate.engine_view import dtype_name
 from ..calibrate.first_use import Calibration, calibrate
 from ..calibrate.plane import Plane
@@ -39,7 +41,7 @@ from .methods import Drafters, make_policy
 from .request import Prompt, Request
 from ..cache.state import StateFile
 from .stats import Result, Stats
-from .step import pick, prefill, seed_of, steps
+from .step import Decoding, pick, prefill, seed_of
 from .target import EngineOptions, build_target
 
 
@@ -80,7 +82,7 @@ class Engine:
         self._owner: int | None = None  # the thread that holds it
         self._local = threading.local()  # per thread: the Result of its latest generation
         self.reuse_prefix = opts.reuse_prefix
-        self._left: tuple[list[int], int] = ([], -1)  # tokens the last generation left committed, cache.changes then
+        self.slot = CacheSlot(self.cache)  # the cache and what the last generation left in it
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | torch.dtype = "float32",
@@ -191,7 +193,7 @@ class Engine:
         pieces = self._stream(self.prompt_ids(prompt, chat), req)
         if stream:
             return pieces
-        for _ in pieces:  # (-> _stream -> _decode -> step.steps: draft, verify, accept, update)
+        for _ in pieces:  # (-> _stream -> open -> Decoding.steps: draft, verify, accept, update)
             pass
         return self.last_result
 
@@ -229,7 +231,7 @@ class Engine:
 
     # ------------------------------------------------------------------ one generation at a time
     @contextmanager
-    def _exclusive(self) -> Iterator[None]:
+    def hold(self) -> Iterator[None]:
         """Hold the engine for one generation: another thread waits; this thread, if it already holds it (an
         unfinished stream), gets an error instead of a deadlock."""
         me = threading.get_ident()
@@ -248,88 +250,69 @@ class Engine:
                 wrap: Callable[[Policy], Policy] | None = None) -> Iterator[str]:
         """The generation's text pieces, the engine held throughout: blocks of tokens from the decode loop, cut at
         EOS, a stop string or the token budget; its Result is `last_result`."""
-        with self._exclusive(), paused_gc():
-            stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
-                          kernels=self.kernels, sources=self.drafters.describe(req))
-            start = time.perf_counter()
-            policy = make_policy(req, self.drafters)  # builds (or reads back) the levels it uses the first time
-            if wrap is not None:
-                policy = wrap(policy)
-            stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - start), {}
-            stats.resident_mb = resident_bytes() / 2**20
-            stats.weights_mb = self.model.weight_bytes() / 2**20
-            out: list[int] = []
-            text = TextStream(self.decode, req.stop)
-            t0 = time.perf_counter()
-            for block in self._decode(prompt_ids, req, stats, policy):
-                if not out:
-                    stats.first_token_seconds = time.perf_counter() - start
-                for tok in block:
-                    out.append(tok)
-                    if tok in self.eos_ids:
-                        stats.finish_reason = "eos"
+        with self.hold(), paused_gc():
+            live, dec = self.open(prompt_ids, req, self.slot, cancel, wrap)
+            try:
+                for block in dec.steps():  # (step.py: draft, verify, accept, update)
+                    if piece := live.feed(block):
+                        yield piece
+                    if live.finished or live.cancelled():
                         break
-                    if req.stop and text.update(out):  # each token's text, looked at for a stop string
-                        stats.finish_reason = "stop"
-                        break
-                    if len(out) >= req.max_new_tokens:
-                        stats.finish_reason = "length"
-                        break
-                if stats.finish_reason:
-                    break
-                text.update(out)
-                if piece := text.ready():
-                    yield piece
-                if cancel is not None and cancel.is_set():  # checked between steps: the next one does not start
-                    stats.finish_reason = "cancelled"
-                    break
-            last = text.finish(out)
-            stats.new_tokens = len(out)
-            stats.seconds = time.perf_counter() - t0
-            if self.graphs is not None:
-                stats.kernels += f"; {self.graphs.stats}"
-            if not stats.finish_reason:
-                stats.finish_reason = "context"
-            self._local.result = Result(text=text.text, token_ids=out, stats=stats)
-            if self.state is not None:
-                self.state.save(self.latency, self._state_origin, self.drafters.trackers)
+            finally:  # (also when the caller stops early): what the cache holds, for the next prompt to reuse
+                self.slot.keep(dec.ctx.history)
+            _, last = self.close(live)
             if last:
                 yield last
 
-    # ------------------------------------------------------------------ the decode loop
+    def open(self, prompt_ids: list[int], req: Request, slot: CacheSlot, cancel: threading.Event | None = None,
+             wrap: Callable[[Policy], Policy] | None = None) -> tuple[Live, Decoding]:
+        """Start a generation on slot's cache (the caller holds the engine): its policy (the levels it uses built
+        or read back the first time), the prompt's forward (what the slot holds of it reused), the first token.
+        Returns its text side and its decode loop, whose first block is that token."""
+        started = time.perf_counter()
+        stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
+                      kernels=self.kernels, sources=self.drafters.describe(req))
+        policy = make_policy(req, self.drafters)
+        if wrap is not None:
+            policy = wrap(policy)
+        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - started), {}
+        stats.resident_mb = resident_bytes() / 2**20
+        stats.weights_mb = self.model.weight_bytes() / 2**20
+        live = Live(req, stats, self.decode, self.eos_ids, cancel, started)
+        return live, self._decoding(prompt_ids, req, stats, policy, slot)
+
     @torch.inference_mode()
-    def _decode(self, prompt_ids: list[int], req: Request, stats: Stats, policy: Policy) -> Iterator[list[int]]:
-        """Yield blocks of committed tokens until the caller stops or the context window is full."""
-        cache = self.cache
+    def _decoding(self, prompt_ids: list[int], req: Request, stats: Stats, policy: Policy,
+                  slot: CacheSlot) -> Decoding:
+        """The prompt's forward (the rest of what the slot's cache holds of it) and the decode loop after it."""
+        cache = slot.cache
         seed = seed_of(req)
         # draws of drafts sampled from q (sd-rs) and of their checks; deterministic drafts use position noise, which
         # the levels' coupled drafts read too
         generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)
         noise = None if req.sampling.greedy else Noise(seed, self.model.lm_head.shape[0])
-        stats.reused_tokens = self._reusable(prompt_ids)
+        stats.reused_tokens = slot.reusable(prompt_ids) if self.reuse_prefix else 0
         cache.rollback(stats.reused_tokens)
         with stats.timer("prefill"):  # the rest of the prompt in one forward; its last row gives the first token
             root = pick(prefill(self.model, cache, prompt_ids), req.sampling, noise, len(prompt_ids))
         stats.target_forwards = 1
         ctx = DraftContext(self.model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
                            budget=req.max_new_tokens - 1, latency=self.latency, noise=noise)
-        try:
-            yield from steps(ctx, req, stats, policy, self.latency, generator, noise)  # the loop: step.py
-        finally:  # (also when the caller stops early): what the cache holds, for the next prompt to reuse
-            self._left = (ctx.history[:cache.length], cache.changes)
+        return Decoding(ctx, req, stats, policy, self.latency, generator, noise)
+
+    def close(self, live: Live) -> tuple[Result, str]:
+        """End a generation: its Result (also this thread's `last_result`) and the text it still held back; the
+        state learned is kept."""
+        kernels = f"{live.stats.kernels}; {self.graphs.stats}" if self.graphs is not None else None
+        result, last = live.close(kernels)
+        self._local.result = result
+        if self.state is not None:
+            self.state.save(self.latency, self._state_origin, self.drafters.trackers)
+        return result, last
 
     def forget_prefix(self) -> None:
         """The next generation prefills its whole prompt (a new conversation: nothing left in the cache is reused)."""
-        self._left = ([], -1)
-
-    def _reusable(self, prompt_ids: list[int]) -> int:
-        """How many leading prompt tokens the cache still holds from the last generation (at most all but the
-        last: its logits give the first token); 0 when reuse is off or anything changed the cache since."""
-        left, changes = self._left
-        if not self.reuse_prefix or changes != self.cache.changes:
-            return 0
-        n = min(len(left), len(prompt_ids) - 1)
-        return next((i for i in range(n) if left[i] != prompt_ids[i]), max(n, 0))
+        self.slot.forget()
 
     def extend_prefix(self, ids: Sequence[int]) -> torch.Tensor:
         """Commit the target's KV for ids[cache.length:] (ids must start with the committed tokens) in one

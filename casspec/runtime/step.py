@@ -1,5 +1,6 @@
 """One generation's decode loop on one screen: draft -> verify -> accept -> update, a step at a time, until the caller
-stops taking blocks or the context window is full (`steps`); and the target's prompt forward (`prefill`).
+stops taking blocks or the context window is full (`Decoding.steps`), or one step of several generations at once
+(`verify_batch`: continuous batching); and the target's prompt forward (`prefill`).
 
 Invariant: the KV cache holds every committed token except the last one (the tree root); each step runs ONE target
 forward over [root, draft nodes...], accepts a path, commits the path's KV and emits the accepted draft tokens plus
@@ -13,13 +14,14 @@ same tokens whatever was drafted. Drafts sampled from q (sd-rs) go through recur
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from dsia.kvcache import KVCache
-from dsia.model import Transformer
+from dsia.model import BatchItem, Transformer
 from dytc.latency import TARGET_LEVEL, LatencyModel
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams, coupled_top, warp
@@ -30,31 +32,88 @@ from .request import Request
 from .stats import Stats
 
 
-def steps(ctx: DraftContext, req: Request, stats: Stats, policy: Policy, latency: LatencyModel,
-          generator: torch.Generator | None, noise: Noise | None) -> Iterator[list[int]]:
-    """Yield the root, then each step's emitted tokens, while the caller takes them and the window has room."""
-    cache = ctx.cache
-    with stats.timer("draft"):
-        policy.begin(ctx)
-    yield [ctx.history[-1]]
-    while cache.length + 1 < cache.capacity:
-        with stats.timer("draft"):
-            tree = policy.draft(ctx)  # draft
+@dataclass
+class Decoding:
+    """One generation's decode loop between its steps: `draft` a tree, the target verifies it (alone,
+    `verify_forward`, or with other generations' trees in one batched forward, `verify_batch`), `accept` takes
+    the path the target agrees with and updates the cache, the history and the policy."""
+    ctx: DraftContext  # the model, this generation's KV cache, its history (last token the root), sampling
+    req: Request
+    stats: Stats
+    policy: Policy
+    latency: LatencyModel
+    generator: torch.Generator | None  # draws of drafts sampled from q and of their checks (sampling)
+    noise: Noise | None  # position-owned noise of the coupled verification (sampling)
+
+    def begin(self) -> list[int]:
+        """The policy's start over the prompt; the first block: the root (the prefill's token)."""
+        with self.stats.timer("draft"):
+            self.policy.begin(self.ctx)
+        return [self.ctx.history[-1]]
+
+    @property
+    def has_room(self) -> bool:
+        """Whether the window holds another step (AR's last slot left free)."""
+        return self.ctx.cache.length + 1 < self.ctx.cache.capacity
+
+    def draft(self) -> DraftTree:
+        with self.stats.timer("draft"):
+            return self.policy.draft(self.ctx)
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor) -> list[int]:
+        """Accept from the target's logits at every node [N, V]; commit the path's KV; the tokens emitted."""
+        cache, stats = self.ctx.cache, self.stats
         with stats.timer("verify"):
-            stats.predicted_verify_seconds += predicted_verify_ms(latency, cache, tree) / 1e3
-            context = cache.length
-            logits = verify_forward(ctx.model, cache, latency, tree)  # verify: one target forward over the tree
-            path, bonus = accept(tree, logits, req.sampling, generator, noise, context)  # accept
+            path, bonus = accept(tree, logits, self.req.sampling, self.generator, self.noise, cache.length)
             cache.commit(path)  # update: the accepted path's KV joins the committed prefix
-        if noise is not None:
-            noise.forget_before(cache.length + 1)  # (positions up to the next root's are drawn)
-            stats.noise_seconds = noise.seconds
+        if self.noise is not None:
+            self.noise.forget_before(cache.length + 1)  # (positions up to the next root's are drawn)
+            stats.noise_seconds = self.noise.seconds
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
-        ctx.commit(emitted)
+        self.ctx.commit(emitted)
         with stats.timer("draft"):
-            policy.observe(ctx, tree, path, emitted)
-        stats.record_step(len(tree) - 1, len(path) - 1, ctx.draft_forwards, ctx.draft_ms, policy.report())
-        yield emitted
+            self.policy.observe(self.ctx, tree, path, emitted)
+        stats.record_step(len(tree) - 1, len(path) - 1, self.ctx.draft_forwards, self.ctx.draft_ms,
+                          self.policy.report())
+        return emitted
+
+    @torch.inference_mode()
+    def steps(self) -> Iterator[list[int]]:
+        """Yield the root, then each step's emitted tokens, while the caller takes them and the window has room."""
+        yield self.begin()
+        while self.has_room:
+            tree = self.draft()  # draft
+            with self.stats.timer("verify"):  # verify: one target forward over the tree
+                self.stats.predicted_verify_seconds += predicted_verify_ms(self.latency, self.ctx.cache, tree) / 1e3
+                logits = verify_forward(self.ctx.model, self.ctx.cache, self.latency, tree)
+            yield self.accept(tree, logits)  # accept, update
+
+
+def verify_batch(model: Transformer, latency: LatencyModel, batch: Sequence[tuple[Decoding, DraftTree]]
+                 ) -> list[torch.Tensor]:
+    """One target forward over several generations' trees (each on its own cache: continuous batching); each
+    generation's logits [N_i, V]. The latency model learns the forward's time by its rows in all (at the mean
+    committed length)."""
+    if len(batch) == 1:  # (one generation: its forward alone, as without batching)
+        d, tree = batch[0]
+        with d.stats.timer("verify"):
+            return [verify_forward(model, d.ctx.cache, latency, tree)]
+    dev = model.device
+    items = [BatchItem(d.ctx.cache, torch.tensor(t.tokens, device=dev), position_ids(t.parents, d.ctx.cache.length,
+                                                                                     dev),
+                       d.ctx.cache.length, None if is_chain(t.parents) else ancestor_mask(t.parents, dev))
+             for d, t in batch]
+    t0 = time.perf_counter()
+    logits = model.forward_batch(items)
+    if logits[0].is_cuda:
+        torch.cuda.synchronize(dev)
+    ms = (time.perf_counter() - t0) * 1e3
+    rows = sum(len(t) for _, t in batch)
+    context = round(sum(d.ctx.cache.length for d, _ in batch) / len(batch))
+    latency.observe(TARGET_LEVEL, rows, context, ms, not all(is_chain(t.parents) for _, t in batch))
+    for d, _ in batch:
+        d.stats.verify_seconds += ms / 1e3  # (each generation waited for the whole forward)
+    return logits
 
 
 @torch.inference_mode()

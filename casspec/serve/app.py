@@ -64,7 +64,8 @@ class ServeConfig:
     level: str = LEVEL  # draft level of sd / tree
     levels: tuple[str, ...] = ()  # sources of the multi-level methods (empty: the method's defaults)
     bottom: str = BOTTOM  # statistical lookups beneath the levels
-    max_queue: int = 32  # calls that may wait behind the running one; one more gets 429
+    max_queue: int = 32  # calls that may wait while max_batch run; one more gets 429
+    max_batch: int = 8  # calls generating at once (continuous batching; each its own KV cache, made on first use)
     api_key: str | None = None  # when set, /v1/* need the header "Authorization: Bearer <key>"
     limits: Limits = Limits()  # what one call and its client may cost: body, prompt, stops, max_tokens, deadline,
     # stalls, connections (calls.Limits)
@@ -72,6 +73,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_positive("max_queue", self.max_queue)
+        check_positive("max_batch", self.max_batch)
         for host in self.allowed_hosts:
             if not host or any(c.isspace() or c in "/@?#" for c in host):
                 raise CasspecError(f"allowed host {host!r} is not a host name: give names like example.com or "
@@ -150,7 +152,7 @@ class Api:
         self.template = cfg.template
         self.hosts = cfg.hosts(bound)
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, cfg.max_queue, self.metrics, own_thread)
+        self.scheduler = Scheduler(engine, cfg.max_queue, self.metrics, own_thread, cfg.max_batch)
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -170,10 +172,10 @@ class Api:
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: HttpRequest) -> Response:
         return JSONResponse({"status": "ok", "model": self.name, "waiting": self.scheduler.waiting,
-                             "running": int(self.scheduler.running is not None)})
+                             "running": self.scheduler.running})
 
     async def prometheus(self, request: HttpRequest) -> Response:
-        text = self.metrics.render(self.scheduler.waiting, int(self.scheduler.running is not None))
+        text = self.metrics.render(self.scheduler.waiting, self.scheduler.running, self.scheduler.batch.stats)
         return Response(text, media_type=CONTENT_TYPE)
 
     async def models(self, request: HttpRequest) -> Response:
@@ -335,7 +337,8 @@ def serve(engine: Engine, cfg: ServeConfig, sock: socket.socket) -> None:
     host, port = sock.getsockname()[:2]
     hosts = cfg.hosts(host)
     print(f"casspec: serving {cfg.model_name or engine.name} (method {cfg.method}) at http://{host}:{port}/v1 "
-          f"(queue {cfg.max_queue}{', API key required' if cfg.api_key else ''}; Host names answered: "
+          f"(batch {cfg.max_batch}, queue {cfg.max_queue}{', API key required' if cfg.api_key else ''}; Host names "
+          "answered: "
           f"{'any' if hosts is None else ', '.join(sorted(hosts))})", file=sys.stderr, flush=True)
     # the engine runs on this thread (the one that loaded it: Scheduler's docstring says why), the HTTP side on another.
     # Ctrl+C or SIGTERM asks uvicorn to shut down, as it does on its own main thread: gracefully, then its lifespan

@@ -3,7 +3,8 @@
 Every counter is a sum over the generations the server ran (cancelled ones included) of one number of their
 Stats (`Stats.speculative()`, the per-request `casspec` object): the speculative counters are vLLM's
 spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens / num_accepted_tokens_per_pos. Queue depth and
-the running request are gauges read at scrape time; time to first token is a histogram.
+the running requests are gauges read at scrape time, the batch's steps counters its own; time to first token is a
+histogram.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 from bisect import bisect_left
 from collections import Counter
 
+from ..runtime.batch import BatchStats
 from ..runtime.stats import Stats
 
 PREFIX = "casspec:"
@@ -23,6 +25,14 @@ SPEC_COUNTERS = {  # Stats.speculative() key -> help text; exported as casspec:s
     "num_accepted_tokens": "Draft tokens accepted.",
     "draft_seconds": "Seconds spent drafting (the policy's time, level forwards included).",
     "verify_seconds": "Seconds spent in target verification forwards, acceptance and commits.",
+}
+
+BATCH_COUNTERS = {  # BatchStats field -> help text; exported as casspec:batch_<field>_total
+    "steps": "Engine steps (one target forward verifying every running request's tree).",
+    "sequences": "Requests in those steps, summed (steps x their batch width).",
+    "rows": "Rows the steps' target forwards verified (each request's root and draft tokens).",
+    "drafted": "Draft tokens in those forwards (speculation sized to the load: fewer as the batch widens).",
+    "root_only": "Requests' steps that verified their root alone (no draft paid at that load).",
 }
 
 
@@ -85,8 +95,8 @@ class Metrics:
             n = sum(self.finished.values()) + self.cancelled
             return self.generation_seconds / n if n else 0.0
 
-    def render(self, waiting: int, running: int) -> str:
-        """The exposition text; the gauges are passed in (the scheduler owns them)."""
+    def render(self, waiting: int, running: int, batch: BatchStats | None = None) -> str:
+        """The exposition text; the gauges and the batch's counters are passed in (the scheduler owns them)."""
         with self._lock:
             out: list[str] = []
 
@@ -94,7 +104,7 @@ class Metrics:
                 out.extend([f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}"])
                 out.extend(f"{PREFIX}{name}{labels} {_num(v)}" for labels, v in samples)
 
-            metric("num_requests_running", "gauge", "Requests generating now (at most one).", [("", running)])
+            metric("num_requests_running", "gauge", "Requests generating now (at most --max-batch).", [("", running)])
             metric("num_requests_waiting", "gauge", "Requests waiting in the queue.", [("", waiting)])
             metric("request_success_total", "counter", "Requests that finished, by OpenAI finish_reason.",
                    [(f'{{finished_reason="{r}"}}', self.finished[r]) for r in ("stop", "length")])
@@ -114,6 +124,8 @@ class Metrics:
             metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted draft tokens by position "
                    "in the draft (0 = the first token after the root).",
                    [(f'{{position="{p}"}}', self.accepted_per_pos[p]) for p in sorted(self.accepted_per_pos)])
+            for key, help in BATCH_COUNTERS.items():  # (continuous batching: what the steps verified)
+                metric(f"batch_{key}_total", "counter", help, [("", getattr(batch, key) if batch else 0)])
             cumulative, buckets = 0, []
             for bound, n in zip(TTFT_BUCKETS, self.ttft):
                 cumulative += n

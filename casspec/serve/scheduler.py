@@ -1,5 +1,7 @@
 """The server's queue and the engine's worker: a bounded FIFO queue of jobs (checked calls) and the one thread that
-runs them on the engine, one at a time, each until its end, its client's disconnect or its deadline.
+runs them on the engine, up to `max_batch` at once (continuous batching, casspec/runtime/batch.py: every step each
+running job drafts, one target forward verifies all their trees; a job joins between steps, with its prompt's
+forward alone, and leaves at its end, its client's disconnect or its deadline).
 
 A job's cancel event is the engine's (`Engine.stream_ids` reads it between steps): set when its client goes away,
 and set of itself once the job's deadline passes, so that a generation stops after the step that is running. A
@@ -18,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .calls import ApiError, Call
+from ..runtime.batch import Batch, Running
 from ..runtime.engine import Engine
 from .metrics import Metrics
 
@@ -62,6 +65,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     started: bool = False  # the worker took it
+    started_at: float = 0.0  # perf_counter() then
     cancel: Stop = field(init=False)
 
     def __post_init__(self) -> None:
@@ -75,31 +79,39 @@ class Job:
 
 
 class Scheduler:
-    """A bounded FIFO queue of jobs and the one worker that runs them on the engine, one at a time: its own thread,
-    or (own_thread False) the caller's, which then calls `work` (`casspec serve` runs the engine on the thread that
-    loaded it: measured on the AMD EPYC, a float32 dytc generation's level forwards took 2.4x as long on another
-    thread, its C++ kernels' OpenMP team then being a second one on the 2 cores, whose threads sleep between
+    """A bounded FIFO queue of jobs and the one worker that runs them on the engine, up to max_batch at once: its own
+    thread, or (own_thread False) the caller's, which then calls `work` (`casspec serve` runs the engine on the
+    thread that loaded it: measured on the AMD EPYC, a float32 dytc generation's level forwards took 2.4x as long on
+    another thread, its C++ kernels' OpenMP team then being a second one on the 2 cores, whose threads sleep between
     regions instead of spinning)."""
 
-    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, own_thread: bool = True) -> None:
+    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, own_thread: bool = True,
+                 max_batch: int = 1) -> None:
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self.batch = Batch(engine, max_batch)
+        self.joining: Job | None = None  # the job whose generation is starting (its prompt's forward)
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # bounded by submit (None, the stop mark, is not)
         self._submit = threading.Lock()  # makes submit's check-then-put atomic
-        self.running: Job | None = None
         self.thread = threading.Thread(target=self.work, name="casspec-engine", daemon=True) if own_thread else None
 
     @property
     def waiting(self) -> int:
         return self.jobs.qsize()
 
+    @property
+    def running(self) -> int:
+        """Jobs generating (one starting included)."""
+        return len(self.batch.running) + (self.joining is not None)
+
     def start(self) -> None:
         if self.thread is not None:
             self.thread.start()
 
     def stop(self) -> None:
-        """Cancel the running job, turn the waiting ones away, and end the worker."""
-        if (job := self.running) is not None:
-            job.cancel.set()
+        """Cancel the running jobs, turn the waiting ones away, and end the worker."""
+        for job in [r.owner for r in self.batch.running] + [self.joining]:
+            if job is not None:
+                job.cancel.set()
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -128,30 +140,64 @@ class Scheduler:
         return max(1, math.ceil(self.metrics.mean_generation_seconds()))
 
     def work(self) -> None:
-        """Run the jobs as they come, until the stop mark."""
-        while (job := self.jobs.get()) is not None:
-            if job.cancel.is_set():  # its client went away, or its deadline passed, while it waited
-                continue
-            job.started, self.running = True, job
-            try:
-                self._run(job)
-            finally:
-                self.running = None
+        """Run the jobs as they come, up to max_batch at once, until the stop mark (the running ones then end as
+        cancelled: stop() set their cancels)."""
+        stopping = False
+        while not stopping or self.batch.running:
+            while not stopping and not self.batch.full:  # join the waiting jobs (wait for one when none runs)
+                try:
+                    job = self.jobs.get(block=not self.batch.running)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                elif not job.cancel.is_set():  # (its client went away, or its deadline passed, while it waited)
+                    self._join(job)
+            if self.batch.running:
+                self._step()
 
-    def _run(self, job: Job) -> None:
-        started = time.perf_counter()
+    def _join(self, job: Job) -> None:
+        job.started, job.started_at, self.joining = True, time.perf_counter(), job
         try:
-            for piece in self.engine.stream_ids(job.call.prompt_ids, job.call.request, job.cancel):
-                if job.call.stream:
-                    job.send("piece", piece)
-            result = self.engine.last_result
+            run, piece = self.batch.join(job.call.prompt_ids, job.call.request, job.cancel, job)
         except Exception as e:  # the call was checked: the server's set-up, a bug or the device. Report, keep serving
             self.metrics.add_failed()
             job.send("error", internal_error(e, "generation"))
             return
+        finally:
+            self.joining = None
+        self._deliver(run, piece)
+
+    def _step(self) -> None:
+        try:
+            out = self.batch.step()
+        except Exception as e:  # every running job fails with it (their caches are left as they are: unreused)
+            for run in list(self.batch.running):
+                self.batch.running.remove(run)
+                run.slot.forget()
+                self.batch.free.append(run.slot)
+                self.metrics.add_failed()
+                run.owner.send("error", internal_error(e, "generation"))
+            return
+        for run, piece in out:
+            self._deliver(run, piece)
+        for run in [r for r in self.batch.running if r.done]:  # (also a job whose window is full: no step ran it)
+            self._deliver(run, "")
+
+    def _deliver(self, run: Running, piece: str) -> None:
+        """A job's piece of text (streaming calls); its end, where it is done."""
+        job: Job = run.owner
+        if piece and job.call.stream:
+            job.send("piece", piece)
+        if not run.done:
+            return
+        result, last = self.batch.leave(run)
+        if last and job.call.stream:
+            job.send("piece", last)
         finish = FINISH_REASONS.get(result.stats.finish_reason)
         if result.stats.finish_reason == "cancelled" and job.cancel.timed_out:
             finish = "length"  # stopped at its deadline: a truncated answer, as at max_tokens
             self.metrics.add_timeout()
-        self.metrics.add_generation(result.stats, finish, started - job.arrived + result.stats.first_token_seconds)
+        self.metrics.add_generation(result.stats, finish,
+                                    job.started_at - job.arrived + result.stats.first_token_seconds)
         job.send("done", (result, finish))

@@ -20,19 +20,28 @@ RUNTIME_ONLY = ("generate", "serve")  # commands that run casspec's runtime alon
 # generations learn in the user cache (bench and ablate start fresh, so that their rows do not depend on earlier runs)
 
 
+def _engine_kwargs(args: argparse.Namespace, options: object) -> dict:
+    """Engine.from_pretrained's keywords besides the model (`casspec serve --ray` passes them to its replicas)."""
+    return dict(dtype=args.dtype, device=args.device, hf=args.command not in RUNTIME_ONLY, options=options)
+
+
+def _options(args: argparse.Namespace):
+    """The engine options the common arguments ask for."""
+    from .runtime.target import EngineOptions
+
+    return EngineOptions(max_context=args.max_context, kernels=args.kernels,
+                         autoprofile=not getattr(args, "no_autoprofile", True),
+                         keep_state=args.command in RUNTIME_ONLY, graphs=False if args.no_graphs else None,
+                         compile_pointwise=False if args.no_compile else None,
+                         batch_invariant=args.batch_invariant, weights=args.weights,
+                         fast_layers=False if args.no_fast_layers else None)
+
+
 def _engine(args: argparse.Namespace):
     """The engine the common arguments ask for (the slow part: loading, kernel choice)."""
     from .runtime.engine import Engine
-    from .runtime.target import EngineOptions
 
-    options = EngineOptions(max_context=args.max_context, kernels=args.kernels,
-                            autoprofile=not getattr(args, "no_autoprofile", True),
-                            keep_state=args.command in RUNTIME_ONLY, graphs=False if args.no_graphs else None,
-                            compile_pointwise=False if args.no_compile else None,
-                            batch_invariant=args.batch_invariant, weights=args.weights,
-                            fast_layers=False if args.no_fast_layers else None)
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                    hf=args.command not in RUNTIME_ONLY, options=options)
+    engine = Engine.from_pretrained(args.model, **_engine_kwargs(args, _options(args)))
     # what was loaded (modules, tokenizer, weights) lives as long as the command: out of the garbage collector's
     # sight, each collection visits only what generation allocates (a full one walked the whole heap: 8% of a
     # float32 generate's samples on the AMD EPYC)
@@ -111,6 +120,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       levels=_levels_list(args.levels), bottom=args.bottom, max_queue=args.max_queue,
                       max_batch=args.max_batch,
                       api_key=args.api_key, limits=limits, allowed_hosts=(*hosts, args.host))
+    if args.ray:  # engine replicas on Ray Serve (casspec[ray]) behind one ingress on host:port
+        try:
+            from .serve.rayserve import run
+        except ImportError as e:
+            raise CasspecError(f"casspec serve --ray needs its extra ({e.name} is missing): pip install "
+                               "'casspec[ray]'") from None
+        run(args.model, _engine_kwargs(args, _options(args)), cfg, args.host, args.port, args.replicas,
+            args.max_replicas)
+        return 0
+    if args.replicas != 1 or args.max_replicas is not None:
+        raise CasspecError("--replicas and --max-replicas run engine replicas on Ray Serve: add --ray")
     sock = bind(args.host, args.port)
     serve(_engine(args), cfg, sock)
     return 0

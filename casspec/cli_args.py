@@ -106,6 +106,11 @@ def _serve_args(sub) -> None:
                    "one more gets 429 with Retry-After (default 32)")
     s.add_argument("--max-batch", type=int, default=8, help="requests generating at once: every step one target "
                    "forward verifies all their drafts (continuous batching; default 8)")
+    s.add_argument("--ray", action="store_true", help="run engine replicas as Ray Serve deployments behind one "
+                   "endpoint (needs casspec[ray]; a local Ray instance, or the cluster $RAY_ADDRESS names)")
+    s.add_argument("--replicas", type=int, default=1, help="--ray: engine replicas (default 1)")
+    s.add_argument("--max-replicas", type=int, default=None, help="--ray: autoscale between --replicas and this "
+                   "many, targeting --max-batch requests in flight per replica")
     s.add_argument("--api-key", default=os.environ.get("CASSPEC_API_KEY"), help="require 'Authorization: Bearer "
                    "KEY' on /v1/* (default: $CASSPEC_API_KEY; none: no key)")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "

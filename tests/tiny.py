@@ -103,14 +103,15 @@ K_SCALES = {"Q2_K": 0.02, "Q3_K": 0.006, "Q4_K": 0.001, "Q5_K": 0.0005, "Q6_K": 
 
 
 def tiny_gguf(path, seed: int = 0, dim: int = 16, layers: int = 2, heads: int = 2, kv_heads: int = 1,
-              block_count: int | None = None, qtype: str = "F32", pad_vocab: int = 0, context: int = 64):
+              block_count: int | None = None, qtype: str = "F32", pad_vocab: int = 0, context: int = 64,
+              chat_template: str | None = None):
     """A tiny float32 Llama GGUF (tied head) with a byte-level BPE vocabulary (the 256 byte symbols, one merge
     'a b', then <s> and </s>), written with gguf's GGUFWriter: a few tens of KB that dequantize in well under a
     second. block_count: the layer count its header claims (default: `layers`, the layers it holds). Returns
     `path`. qtype: the GGML type its matrices are stored in (F32, a type gguf quantizes: Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0; or a K-quant, random blocks of about the float weights' size, dim a multiple of 256; the token embedding,
     tied head, in Q8_0 when quantized); pad_vocab: unused tokens appended to the vocabulary (so that it fits a packed
-    kernel); context: the context length its header gives."""
+    kernel); context: the context length its header gives; chat_template: the tokenizer's (None: none)."""
     import numpy as np
     from gguf import GGUFWriter, TokenType
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -140,6 +141,8 @@ def tiny_gguf(path, seed: int = 0, dim: int = 16, layers: int = 2, heads: int = 
     w.add_token_merges(["a b"])
     w.add_bos_token_id(vocab - 2)
     w.add_eos_token_id(vocab - 1)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     rng = np.random.default_rng(seed)
     shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,)}
     for i in range(layers):

@@ -124,8 +124,10 @@ class Scheduler:
             self.thread.join(timeout=60)
 
     def check_room(self) -> None:
-        """429 when the queue is full (checked again by submit: a call is not read or tokenized for nothing)."""
-        if self.jobs.qsize() >= self.max_queue:
+        """429 when the queue is full: max_queue calls wait beyond those the batch has room for (checked again by
+        submit: a call is not read or tokenized for nothing)."""
+        free = max(0, self.batch.max_batch - self.running)  # (places the worker fills at its next step)
+        if self.jobs.qsize() >= self.max_queue + free:
             self.metrics.add_queue_full()
             raise ApiError(429, f"the queue is full ({self.max_queue} requests wait for the engine): retry later",
                            "queue_full", headers={"Retry-After": str(self.retry_after())})

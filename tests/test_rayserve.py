@@ -4,6 +4,7 @@ the engine alone, the same errors), a conversation returns to the replica that s
 replicas'. Skipped where Ray Serve is not installed (casspec[ray])."""
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
@@ -33,6 +34,7 @@ def deployed(tmp_path_factory):
     port = sock.getsockname()[1]
     sock.close()
     env = {k: os.environ[k] for k in ("CASSPEC_CACHE", "TORCH_EXTENSIONS_DIR", "HOME") if k in os.environ}
+    sigterm = signal.getsignal(signal.SIGTERM)  # (ray.init sets its own, and leaves it after ray.shutdown)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="casspec-test",
              runtime_env={"env_vars": env})
     try:
@@ -44,6 +46,7 @@ def deployed(tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def test_two_replicas_answer_the_openai_client_as_the_server_does(deployed):

@@ -414,9 +414,16 @@ def test_casspec_serve_command_end_to_end(tmp_path, stop):
             "model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert r.json()["casspec"]["method"] == "ar"
+        rest: list[str] = []  # (its stderr read on while it stops: a full pipe would block its last lines)
+        reader = threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True)
+        reader.start()
         proc.send_signal(stop)
-        assert proc.wait(timeout=30) == 0
-        assert "casspec: stopped" in proc.stderr.read()
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"casspec serve did not stop in 60 s on {stop.name}; its stderr: {''.join(rest)[-3000:]}")
+        reader.join(timeout=10)
+        assert code == 0 and "casspec: stopped" in "".join(rest)
     finally:
         if proc.poll() is None:
             proc.kill()

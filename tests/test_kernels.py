@@ -70,6 +70,22 @@ def test_the_choice_is_measured_once_and_cached(tmp_path):
     assert "| 1 |" in format_tuning(rec)
 
 
+def test_a_choice_measured_against_another_library_is_measured_again(tmp_path, monkeypatch):
+    """Where casspec's own kernel is a candidate, the key holds the library's sources' digest: a choice measured
+    against an older library (its kernel slower then) is not taken for this one's."""
+    import casspec.calibrate.tune as tune
+
+    model = Transformer.from_hf(tiny_model("llama", seed=1))
+    path = tmp_path / "kernels.json"
+    assert tuned_kernels(model, path)[1]["source"] == "measured"
+    assert tuned_kernels(model, path)[1]["source"] == "cached"
+    if "casspec" not in candidates(torch.float32, "cpu"):
+        pytest.skip("casspec's kernel is no candidate here (the library did not build)")
+    assert json.loads(tuning_key(model))["library"] == tune.source_digest()
+    monkeypatch.setattr(tune, "source_digest", lambda: "another-one")
+    assert tuned_kernels(model, path)[1]["source"] == "measured"
+
+
 def test_engine_reports_its_kernels(monkeypatch, tmp_path):
     monkeypatch.setenv("CASSPEC_CACHE", str(tmp_path))
     e = tiny_engine("llama", 5, kernels="auto")

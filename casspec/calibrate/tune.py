@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from dsia.cxx import source_digest
 from dsia.errors import CasspecError
 from dsia.kernels import TOKEN_BUCKETS, DenseKernels, candidates, choose, measure, time_ms
 from dsia.kvcache import KVCache
@@ -36,10 +37,14 @@ def weight_shapes(model: Transformer) -> list[tuple[int, int]]:
 
 
 def tuning_key(model: Transformer) -> str:
-    """Everything the fastest kernel depends on, as one string."""
+    """Everything the fastest kernel depends on, as one string: with casspec's own kernel among the candidates, the
+    library's sources too (a choice measured against an older library is measured again: on the AMD EPYC a float32
+    target ran MKL at 30 ms a token, chosen by such a record, where casspec's kernel now takes 10 ms)."""
+    kernels = sorted(candidates(model.dtype, model.device))
     return json.dumps({**machine_key(machine_info(model.device.type)), "dtype": str(model.dtype),
                        "device": model.device.type, "shapes": weight_shapes(model), "layers": len(model.layers),
-                       "kernels": sorted(candidates(model.dtype, model.device))}, sort_keys=True)
+                       "kernels": kernels, **({"library": source_digest()} if "casspec" in kernels else {})},
+                      sort_keys=True)
 
 
 def tuned_kernels(model: Transformer, path: Path | None = None, refresh: bool = False) -> tuple[DenseKernels, dict]:

@@ -38,8 +38,9 @@ def weight_shapes(model: Transformer) -> list[tuple[int, int]]:
 
 def tuning_key(model: Transformer) -> str:
     """Everything the fastest kernel depends on, as one string: with casspec's own kernel among the candidates, the
-    library's sources too (a choice measured against an older library is measured again: on the AMD EPYC a float32
-    target ran MKL at 30 ms a token, chosen by such a record, where casspec's kernel now takes 10 ms)."""
+    library's sources too (a choice measured against an older library is measured again; on the AMD EPYC a cached
+    record of unknown age kept a float32 target on MKL at 30 ms a token where casspec's kernel, measured again,
+    took 10 ms)."""
     kernels = sorted(candidates(model.dtype, model.device))
     return json.dumps({**machine_key(machine_info(model.device.type)), "dtype": str(model.dtype),
                        "device": model.device.type, "shapes": weight_shapes(model), "layers": len(model.layers),

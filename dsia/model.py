@@ -160,9 +160,11 @@ class Transformer(Variants):
             kv = KvAccess(start=start, end=end, rows=rows)
         else:
             cache.reserve(end)
-            mask = self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
-            kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1,  # causal: prefill at 0
-                          own=kernel == "own")
+            own = kernel == "own"  # (its causal order by slot needs no mask over a chain: the same bits, no [T, end])
+            chain = own and scratch_mask is None and visible_prefix is None
+            mask = None if chain else self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
+            kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1 and not own,  # (SDPA's
+                          own=own)  # causal prefill at slot 0)
         return self._layers(cache, tokens, positions, kv, plan, logits_rows)
 
     def forward_batch(self, items: Sequence[BatchItem], plan: Plan = TARGET) -> list[Tensor]:
@@ -179,7 +181,8 @@ class Transformer(Variants):
                 raise CasspecError(f"context window full ({it.cache.capacity} tokens); shorten the prompt or the "
                                    "output")
             it.cache.reserve(end)
-            mask = self._attn_mask(it.cache.length, it.start, T, it.scratch_mask, None)
+            mask = None if own and it.scratch_mask is None else self._attn_mask(it.cache.length, it.start, T,
+                                                                                 it.scratch_mask, None)
             kv = KvAccess(start=it.start, end=end, mask=mask, is_causal=mask is None and T > 1 and not own, own=own)
             parts.append(BatchPart(it.cache, slice(row0, row0 + T), kv))
             picked = range(T)[it.logits_rows] if it.logits_rows is not None else range(T)

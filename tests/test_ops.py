@@ -108,6 +108,9 @@ def test_attention_is_sdpas_and_each_row_is_the_same_bits_alone(heads, T, prefix
         else:
             alone = cxx_pointwise().attention(q[:, t:t + 1], keys, values, end, mask[t:t + 1], hd ** -0.5)
         assert torch.equal(alone[0], out[t])
+    if mask is None:  # causal by slot is the chain's mask spelt out (forwards over a chain pass none)
+        chain = torch.ones(T, end, dtype=torch.bool).tril(diagonal=prefix)
+        assert torch.equal(cxx_pointwise().attention(q, keys, values, end, chain, hd ** -0.5), out)
 
 
 def test_a_tree_rows_keys_moved_to_the_committed_slots_give_the_same_bits():

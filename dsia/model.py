@@ -160,29 +160,26 @@ class Transformer(Variants):
             kv = KvAccess(start=start, end=end, rows=rows)
         else:
             cache.reserve(end)
-            own = kernel == "own"  # (its causal order by slot needs no mask over a chain: the same bits, no [T, end])
-            chain = own and scratch_mask is None and visible_prefix is None
-            mask = None if chain else self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
-            kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1 and not own,  # (SDPA's
-                          own=own)  # causal prefill at slot 0)
+            own = kernel == "own"  # (causal by slot: a chain needs no mask; SDPA's causal prefill is at slot 0)
+            mask = None if own and scratch_mask is None and visible_prefix is None else \
+                self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
+            kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1 and not own, own=own)
         return self._layers(cache, tokens, positions, kv, plan, logits_rows)
 
     def forward_batch(self, items: Sequence[BatchItem], plan: Plan = TARGET) -> list[Tensor]:
-        """Several sequences' forwards as one (continuous batching): their rows share every product; each attends
-        over its own cache as `forward` would attend over it alone (by casspec's own attention where it runs, each
-        row's bits then those of the same row alone whatever the rows beside it; SDPA per sequence elsewhere).
-        Returns each item's logits [N_i, V] in float32."""
+        """Several sequences' forwards as one (continuous batching), their rows sharing every product, each attending
+        over its own cache (casspec's own attention where it runs: each row the bits it gets alone, whatever the rows
+        beside it; SDPA per sequence elsewhere). Returns each item's logits [N_i, V] in float32."""
         own = self.pointwise.attention is not None and self.dtype in LIBRARY_DTYPES and self.device.type == "cpu"
         parts, rows, row0 = [], [], 0
         for it in items:
             T = it.tokens.shape[0]
             end = it.start + T
             if end > it.cache.capacity:
-                raise CasspecError(f"context window full ({it.cache.capacity} tokens); shorten the prompt or the "
-                                   "output")
+                raise CasspecError(f"context window full ({it.cache.capacity} tokens); shorten the output")
             it.cache.reserve(end)
-            mask = None if own and it.scratch_mask is None else self._attn_mask(it.cache.length, it.start, T,
-                                                                                 it.scratch_mask, None)
+            mask = None if own and it.scratch_mask is None else \
+                self._attn_mask(it.cache.length, it.start, T, it.scratch_mask, None)
             kv = KvAccess(start=it.start, end=end, mask=mask, is_causal=mask is None and T > 1 and not own, own=own)
             parts.append(BatchPart(it.cache, slice(row0, row0 + T), kv))
             picked = range(T)[it.logits_rows] if it.logits_rows is not None else range(T)

@@ -137,3 +137,17 @@ def test_serve_answers_concurrent_clients_from_one_batch():
     assert [got[i] for i in range(len(prompts))] == alone
     counts = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("casspec:batch")}
     assert counts["casspec:batch_sequences_total"] > counts["casspec:batch_steps_total"] > 0
+
+
+def test_a_generation_through_the_engines_api_between_steps_leaves_the_batch_alone(engine):
+    """The batch runs on caches of its own: another thread's generate between two steps (the engine's own cache)
+    changes no running request's tokens."""
+    prompt, req = [5, 6, 7, 8] * 3, Request(max_new_tokens=20, method="dytc")
+    alone = engine.generate_ids(prompt, req).token_ids
+    batch = Batch(engine, 2)
+    run, _ = batch.join(prompt, req)
+    assert all(slot.cache is not engine.cache for slot in batch.slots)
+    while not run.done:
+        batch.step()
+        engine.generate_ids([9, 10, 11], Request(max_new_tokens=3, method="ar"))
+    assert batch.leave(run)[0].token_ids == alone

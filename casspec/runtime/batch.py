@@ -64,14 +64,15 @@ class Batch:
     engine: Engine
     max_batch: int  # most generations at once
     running: list[Running] = field(default_factory=list)
-    slots: list[CacheSlot] = field(default_factory=list)  # every cache made (the engine's own first)
+    # every cache made, on first need (not the engine's own: a generation another thread runs through the engine's
+    # API between two steps uses that one)
+    slots: list[CacheSlot] = field(default_factory=list)
     free: list[CacheSlot] = field(default_factory=list)  # those no generation runs on
     stats: BatchStats = field(default_factory=BatchStats)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {self.max_batch})")
-        self.slots, self.free = [self.engine.slot], [self.engine.slot]
 
     @property
     def full(self) -> bool:

@@ -43,7 +43,6 @@ class BatchItem:
     positions: Tensor  # [T] absolute
     start: int  # first slot written (>= cache.length)
     scratch_mask: Tensor | None = None  # [T, start + T - cache.length] bool (None: causal)
-    logits_rows: slice | None = None  # which of its T rows need logits (None: all)
 
 
 class Transformer(Variants):
@@ -159,37 +158,34 @@ class Transformer(Variants):
             cache.reserve(max(end, rows.shared))
             kv = KvAccess(start=start, end=end, rows=rows)
         else:
-            cache.reserve(end)
-            own = kernel == "own"  # (causal by slot: a chain needs no mask; SDPA's causal prefill is at slot 0)
-            mask = None if own and scratch_mask is None and visible_prefix is None else \
-                self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
-            kv = KvAccess(start=start, end=end, mask=mask, is_causal=mask is None and T > 1 and not own, own=own)
+            kv = self._masked(cache, start, T, scratch_mask, visible_prefix, own=kernel == "own")
         return self._layers(cache, tokens, positions, kv, plan, logits_rows)
 
     def forward_batch(self, items: Sequence[BatchItem], plan: Plan = TARGET) -> list[Tensor]:
         """Several sequences' forwards as one (continuous batching), their rows sharing every product, each attending
         over its own cache (casspec's own attention where it runs: each row the bits it gets alone, whatever the rows
         beside it; SDPA per sequence elsewhere). Returns each item's logits [N_i, V] in float32."""
-        own = self.pointwise.attention is not None and self.dtype in LIBRARY_DTYPES and self.device.type == "cpu"
-        parts, rows, row0 = [], [], 0
+        parts, row0 = [], 0
         for it in items:
             T = it.tokens.shape[0]
-            end = it.start + T
-            if end > it.cache.capacity:
+            if it.start + T > it.cache.capacity:
                 raise CasspecError(f"context window full ({it.cache.capacity} tokens); shorten the output")
-            it.cache.reserve(end)
-            mask = None if own and it.scratch_mask is None else \
-                self._attn_mask(it.cache.length, it.start, T, it.scratch_mask, None)
-            kv = KvAccess(start=it.start, end=end, mask=mask, is_causal=mask is None and T > 1 and not own, own=own)
+            kv = self._masked(it.cache, it.start, T, it.scratch_mask, None, self._own_attention)
             parts.append(BatchPart(it.cache, slice(row0, row0 + T), kv))
-            picked = range(T)[it.logits_rows] if it.logits_rows is not None else range(T)
-            rows.append(torch.arange(picked.start + row0, picked.stop + row0, picked.step))
             row0 += T
         tokens = torch.cat([it.tokens for it in items])  # [sum T]
         positions = torch.cat([it.positions for it in items])  # [sum T]
-        logits = self._layers(items[0].cache, tokens, positions, KvAccess(parts=tuple(parts)), plan,
-                              torch.cat(rows).to(self.device))  # [sum N, V]
-        return list(logits.split([len(r) for r in rows]))
+        logits = self._layers(items[0].cache, tokens, positions, KvAccess(parts=tuple(parts)), plan, None)  # [sum T, V]
+        return list(logits.split([len(it.tokens) for it in items]))
+
+    def _masked(self, cache: KVCache, start: int, T: int, scratch_mask: Tensor | None, visible_prefix: int | None,
+                own: bool) -> KvAccess:
+        """Slots [start, start + T) made safe to read and what each row sees (own attention's order is causal by
+        slot: a chain needs no mask; SDPA's causal prefill at slot 0 is is_causal)."""
+        cache.reserve(start + T)
+        chain = own and scratch_mask is None and visible_prefix is None
+        mask = None if chain else self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
+        return KvAccess(start=start, end=start + T, mask=mask, is_causal=mask is None and T > 1 and not own, own=own)
 
     def _attention_of(self, T: int, plan: Plan) -> str:
         """Which attention a forward over T rows runs: "own" (Pointwise.attention: each row over its own keys, one
@@ -198,10 +194,14 @@ class Transformer(Variants):
         one reuses its KV: written otherwise, it would differ in the last bits from what one-token steps write);
         any other forward with its own over up to OWN_ATTENTION_ROWS rows (where it is faster than SDPA's), SDPA over
         more."""
-        own = self.pointwise.attention is not None and self.dtype in LIBRARY_DTYPES and self.device.type == "cpu"
         if self.batch_invariant and plan.is_target:
-            return "own" if own else "rows"
-        return "own" if own and T <= OWN_ATTENTION_ROWS else "sdpa"
+            return "own" if self._own_attention else "rows"
+        return "own" if self._own_attention and T <= OWN_ATTENTION_ROWS else "sdpa"
+
+    @property
+    def _own_attention(self) -> bool:
+        """Whether casspec's attention op takes this model's forwards (its Pointwise has one; CPU, a dtype it takes)."""
+        return self.pointwise.attention is not None and self.dtype in LIBRARY_DTYPES and self.device.type == "cpu"
 
     def forward_slots(self, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
                       plan: Plan = TARGET) -> Tensor:

@@ -23,7 +23,8 @@ def cost_tables(latency: LatencyModel | None, levels: list[str], context: int, n
         flat = np.concatenate([[0.0], np.full(n_max, constant_cost)])
         return np.concatenate([[0.0], np.ones(n_max)]), {name: flat for name in levels}
     rows = latency.spec.feature_rows(T, context, True) if latency is not None else None  # [n_max, F] shared
-    verify_ms = np.concatenate([[0.0], np.maximum(_verify(latency, T + others, context, others > 0), MIN_MS)])
+    v = _verify(latency, T + others, context, others > 0, None if others else rows)
+    verify_ms = np.concatenate([[0.0], np.maximum(v, MIN_MS)])
     level_ms = {}
     for name in levels:
         if latency is not None and latency.known(name):
@@ -34,10 +35,12 @@ def cost_tables(latency: LatencyModel | None, levels: list[str], context: int, n
     return verify_ms, level_ms
 
 
-def _verify(latency: LatencyModel | None, T: np.ndarray, context: int, batched: bool) -> np.ndarray:
-    """Predicted ms of target forwards over T [K] rows (a tree's; the first a one-token step unless batched)."""
+def _verify(latency: LatencyModel | None, T: np.ndarray, context: int, batched: bool,
+            rows: np.ndarray | None = None) -> np.ndarray:
+    """Predicted ms of target forwards over T [K] rows (a tree's; the first a one-token step unless batched); rows:
+    their tree features, where the caller has them."""
     if latency is None or not latency.known(TARGET_LEVEL):  # nothing measured yet: a flat guess, replaced after
         return GUESS_VERIFY_MS[0] + GUESS_VERIFY_MS[1] * (T - 1)  # the first verification
-    v = latency.predict_mean(TARGET_LEVEL, T, context, tree=True)
+    v = latency.predict_mean(TARGET_LEVEL, T, context, tree=True, rows=rows)
     v[0] = latency.predict_mean(TARGET_LEVEL, T[:1], context, tree=batched)[0]
     return v

@@ -104,13 +104,15 @@ class DyTC(Policy):
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         assert self.step is not None and self.step.tree is tree, "observe the tree this router drafted last"
-        nodes, on_path, outcomes = self.step.nodes, set(path), []
+        nodes, on_path = self.step.nodes, set(path)
+        outcomes = []
         for n in range(1, len(tree)):
             self.drafted[nodes[n].source] = self.drafted.get(nodes[n].source, 0) + 1
             if tree.parents[n] in on_path:  # tested: the target looked at this token
                 outcomes.append((nodes[n].source, nodes[n].belief, n in on_path))
                 o = self.outcomes.setdefault(nodes[n].source, [0, 0])
-                o[0], o[1] = o[0] + 1, o[1] + int(n in on_path)
+                o[0] += 1
+                o[1] += int(n in on_path)
         free = unused_proposals(self.step, emitted, self.held)
         self.free_tests += len(free)
         self.tracker.update(outcomes + free)

@@ -100,20 +100,6 @@ def test_a_bfloat16_batch_is_each_sequence_alone():
     assert_batch_is_alone(eng.model, 5, count=3)
 
 
-def test_logits_rows_pick_each_sequences_rows():
-    eng = tiny_engine("qwen2", seed=2, kernels="casspec")
-    model = eng.model
-    rng = random.Random(7)
-    seqs = sequences(model, rng, 2)
-    copies = [(copy.deepcopy(c), t, p) for c, t, p in seqs]
-    singles = [alone(model, c, t, p) for c, t, p in copies]
-    items = [item(model, c, t, p) for c, t, p in seqs]
-    items = [BatchItem(i.cache, i.tokens, i.positions, i.start, i.scratch_mask, slice(len(i.tokens) - 1, None))
-             for i in items]
-    for a, b in zip(singles, model.forward_batch(items)):
-        assert torch.equal(a[-1:], b)
-
-
 def test_a_batch_past_a_window_is_one_error():
     eng = tiny_engine("llama", seed=0, kernels="casspec")
     cache = eng.model.new_cache(8)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -31,6 +31,13 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+class LastStep(NamedTuple):
+    """A generation's last step, which the next one tells the others (`Load`)."""
+    rows: int = 1  # rows it verified
+    tokens: float = 1.0  # tokens it emitted
+    draft_ms: float = 0.0  # its drafting time
+
+
 @dataclass(eq=False)
 class Running:
     """A generation of the batch."""
@@ -38,7 +45,7 @@ class Running:
     dec: Decoding  # its decode loop
     slot: CacheSlot  # the KV cache it runs on
     owner: object = None  # the caller's handle (casspec serve: its job)
-    last: tuple[int, float, float] = (1, 1.0, 0.0)  # its last step: rows verified, tokens emitted, drafting ms
+    last: LastStep = LastStep()  # its last step
 
     @property
     def done(self) -> bool:
@@ -54,7 +61,6 @@ class BatchStats:
     rows: int = 0  # rows verified over all steps
     drafted: int = 0  # draft tokens verified over all steps
     root_only: int = 0  # generations' steps that verified the root alone
-
 
 
 @dataclass
@@ -103,20 +109,19 @@ class Batch:
         if not runs:
             return []
         with self.engine.hold(), paused_gc():
-            rows, tokens, draft_ms = (sum(r.last[i] for r in runs) for i in range(3))
+            total = LastStep(*(sum(column) for column in zip(*(r.last for r in runs))))
             trees = []
             for r in runs:  # draft
-                own_rows, own_tokens, own_ms = r.last
-                r.dec.ctx.load = Load(rows - own_rows, tokens - own_tokens, draft_ms - own_ms) if len(runs) > 1 \
-                    else None
+                r.dec.ctx.load = Load(total.rows - r.last.rows, total.tokens - r.last.tokens,
+                                      total.draft_ms - r.last.draft_ms) if len(runs) > 1 else None
                 ms0 = r.dec.stats.draft_seconds
                 trees.append((r.dec, r.dec.draft()))
-                r.last = (r.last[0], r.last[1], (r.dec.stats.draft_seconds - ms0) * 1e3)
+                r.last = r.last._replace(draft_ms=(r.dec.stats.draft_seconds - ms0) * 1e3)
             logits = verify_batch(self.engine.model, self.engine.latency, trees)  # verify: one forward
             out = []
             for r, (dec, tree), lg in zip(runs, trees, logits):
                 emitted = dec.accept(tree, lg)  # accept, update
-                r.last = (len(tree), float(len(emitted)), r.last[2])
+                r.last = r.last._replace(rows=len(tree), tokens=float(len(emitted)))
                 out.append((r, r.live.feed(emitted)))
             self._count(trees)
         return out
@@ -129,6 +134,13 @@ class Batch:
         self.free.append(run.slot)
         with self.engine.hold():
             return self.engine.close(run.live)
+
+    def drop(self, run: Running) -> None:
+        """Give a generation up without its Result (a step failed under it): its cache is free again, what it holds
+        forgotten."""
+        self.running.remove(run)
+        run.slot.forget()
+        self.free.append(run.slot)
 
     def _count(self, trees: list) -> None:
         s = self.stats

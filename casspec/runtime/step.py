@@ -98,19 +98,15 @@ def verify_batch(model: Transformer, latency: LatencyModel, batch: Sequence[tupl
         d, tree = batch[0]
         with d.stats.timer("verify"):
             return [verify_forward(model, d.ctx.cache, latency, tree)]
-    dev = model.device
-    items = [BatchItem(d.ctx.cache, torch.tensor(t.tokens, device=dev), position_ids(t.parents, d.ctx.cache.length,
-                                                                                     dev),
-                       d.ctx.cache.length, None if is_chain(t.parents) else ancestor_mask(t.parents, dev))
-             for d, t in batch]
+    items = [tree_forward(model, d.ctx.cache, t) for d, t in batch]
     t0 = time.perf_counter()
     logits = model.forward_batch(items)
     if logits[0].is_cuda:
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(model.device)
     ms = (time.perf_counter() - t0) * 1e3
     rows = sum(len(t) for _, t in batch)
     context = round(sum(d.ctx.cache.length for d, _ in batch) / len(batch))
-    latency.observe(TARGET_LEVEL, rows, context, ms, not all(is_chain(t.parents) for _, t in batch))
+    latency.observe(TARGET_LEVEL, rows, context, ms, any(it.scratch_mask is not None for it in items))
     for d, _ in batch:
         d.stats.verify_seconds += ms / 1e3  # (each generation waited for the whole forward)
     return logits
@@ -130,15 +126,23 @@ def prefill(model: Transformer, cache: KVCache, ids: Sequence[int]) -> torch.Ten
 def verify_forward(model: Transformer, cache: KVCache, latency: LatencyModel, tree: DraftTree) -> torch.Tensor:
     """One target forward over the flattened tree, written to scratch; the latency model learns its time.
     Returns logits [N, V]."""
-    dev, chain = model.device, is_chain(tree.parents)
+    it = tree_forward(model, cache, tree)
     captures, t0 = model.graph_captures, time.perf_counter()
-    logits = model.forward(cache, torch.tensor(tree.tokens, device=dev), position_ids(tree.parents, cache.length, dev),
-                           cache.length, None if chain else ancestor_mask(tree.parents, dev))  # [N, V]
+    logits = model.forward(cache, it.tokens, it.positions, it.start, it.scratch_mask)  # [N, V]
     if logits.is_cuda:
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(model.device)
     if model.graph_captures == captures:  # (a forward that captured a graph is no sample of its cost)
-        latency.observe(TARGET_LEVEL, len(tree), cache.length, (time.perf_counter() - t0) * 1e3, not chain)
+        latency.observe(TARGET_LEVEL, len(tree), cache.length, (time.perf_counter() - t0) * 1e3,
+                        it.scratch_mask is not None)
     return logits
+
+
+def tree_forward(model: Transformer, cache: KVCache, tree: DraftTree) -> BatchItem:
+    """The target forward's inputs for a tree on cache: its tokens at their depths' positions, written to the
+    scratch slots from cache.length, each node seeing its ancestors (no mask for a chain)."""
+    dev = model.device
+    return BatchItem(cache, torch.tensor(tree.tokens, device=dev), position_ids(tree.parents, cache.length, dev),
+                     cache.length, None if is_chain(tree.parents) else ancestor_mask(tree.parents, dev))
 
 
 def predicted_verify_ms(latency: LatencyModel, cache: KVCache, tree: DraftTree) -> float:

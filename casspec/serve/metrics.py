@@ -102,7 +102,7 @@ class Metrics:
 
             def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
                 out.extend([f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}"])
-                out.extend(f"{PREFIX}{name}{labels} {_num(v)}" for labels, v in samples)
+                out.extend(f"{PREFIX}{name}{labels} {number(v)}" for labels, v in samples)
 
             metric("num_requests_running", "gauge", "Requests generating now (at most --max-batch).", [("", running)])
             metric("num_requests_waiting", "gauge", "Requests waiting in the queue.", [("", waiting)])
@@ -136,5 +136,6 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
-def _num(v: float) -> str:
+def number(v: float) -> str:
+    """A sample's value as the exposition text writes it (integers without a point)."""
     return str(int(v)) if float(v).is_integer() else repr(float(v))

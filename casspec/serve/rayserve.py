@@ -37,7 +37,7 @@ from dsia.errors import CasspecError
 from .app import Api, ServeConfig
 from .calls import ApiError
 from .guard import read_body
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, number
 from ..runtime.engine import Engine
 
 HUB = "casspec-metrics"  # the Ray actor the replicas post their metrics to
@@ -76,12 +76,8 @@ def summed(texts: list[str]) -> str:
             if key not in values:
                 order.append(key)
             values[key] += float(value)
-    out = [line if line.startswith("#") or not line.strip() else f"{line} {_num(values[line])}" for line in order]
+    out = [line if line.startswith("#") or not line.strip() else f"{line} {number(values[line])}" for line in order]
     return "\n".join(out) + "\n"
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
 
 
 def affinity_key(path: str, body: bytes) -> str:

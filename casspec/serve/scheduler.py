@@ -175,9 +175,7 @@ class Scheduler:
             out = self.batch.step()
         except Exception as e:  # every running job fails with it (their caches are left as they are: unreused)
             for run in list(self.batch.running):
-                self.batch.running.remove(run)
-                run.slot.forget()
-                self.batch.free.append(run.slot)
+                self.batch.drop(run)
                 self.metrics.add_failed()
                 run.owner.send("error", internal_error(e, "generation"))
             return

@@ -151,3 +151,22 @@ def test_a_generation_through_the_engines_api_between_steps_leaves_the_batch_alo
         batch.step()
         engine.generate_ids([9, 10, 11], Request(max_new_tokens=3, method="ar"))
     assert batch.leave(run)[0].token_ids == alone
+
+
+def test_sampled_requests_in_a_batch_verify_drafts_and_keep_their_tokens(engine):
+    """Sampled (seeded) pld and dytc requests on repetitive prompts, three at once: drafts are verified in the
+    batched forwards and some accepted, and each request's tokens are its tokens alone."""
+    jobs = [((([5, 6, 7, 8] * 6)[:21 + i]), Request(max_new_tokens=30, method=m, seed=11 + i,
+                                                    sampling=SamplingParams(0.7, 0, 1.0)))
+            for i, m in enumerate(["pld", "dytc", "pld"])]
+    alone = [engine.generate_ids(p, r).token_ids for p, r in jobs]
+    batch, results = Batch(engine, 3), {}
+    for j, (p, r) in enumerate(jobs):
+        batch.join(p, r, owner=j)
+    while batch.running:
+        batch.step()
+        for run in [r for r in batch.running if r.done]:
+            results[run.owner] = batch.leave(run)[0]
+    assert [results[j].token_ids for j in range(3)] == alone
+    assert batch.stats.drafted > 0 and batch.stats.sequences > batch.stats.steps
+    assert sum(results[j].stats.speculative()["num_accepted_tokens"] for j in range(3)) > 0

@@ -31,9 +31,10 @@ import torch
 
 from dsia.levels import Level, reads_kv_of
 
-from .ngram import Lookup, new_lookup
+from .ngram import Lookup
 from .policies import DraftContext, Policy, prune
-from .sources import LOOKUPS, PLD
+from .recycle import RECYCLE_K, RecycleLookup
+from .sources import LOOKUPS, PLD, RECYCLE
 from .tree import DraftTree
 
 
@@ -126,6 +127,7 @@ class Cascade(Policy):
         self.cfg = cfg
         self.siblings = siblings  # tree+vc: add the first segment level's alternatives as sibling leaves
         self.lookups: dict[str, Lookup] = {}  # the lookups used, over this generation's history
+        self.target_top_k = RECYCLE_K if RECYCLE in below or any(s == RECYCLE for s, _ in segments) else 0
 
     @staticmethod
     def vc(levels: list[Level], bottom: tuple[str, ...] = (PLD,), cfg: CascadeConfig = CascadeConfig(),
@@ -145,13 +147,20 @@ class Cascade(Policy):
         for lv in self.levels.values():
             lv.begin(ctx.model, ctx.cache, ctx.history)
         names = {s for s, _ in self.segments if s in LOOKUPS} | {s for s in self.below if s in LOOKUPS}
-        self.lookups = {n: new_lookup(n, ctx.history, ctx.eos_ids) for n in sorted(names)}
+        self.lookups = {n: ctx.lookup(n) for n in sorted(names)}
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         for lv in self.levels.values():
             lv.observe(ctx.model, ctx.cache, ctx.history, emitted)
         for lookup in self.lookups.values():
             lookup.extend(emitted)
+        recycle = self.lookups.get(RECYCLE)
+        if isinstance(recycle, RecycleLookup):
+            recycle.table.remember(not ctx.coupled, ctx.target_top)
+
+    def finish(self, ctx: DraftContext) -> None:
+        for lookup in self.lookups.values():
+            lookup.finish()
 
     def draft(self, ctx: DraftContext) -> DraftTree:
         chain = ChainBuilder(ctx, self.levels, self.segments[0][0] if self.siblings else None, self.cfg.tree_top_k)

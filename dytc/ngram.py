@@ -27,7 +27,7 @@ maxgram: CS Drafting's Max-Gram (arXiv 2312.11462). A suffix automaton of the hi
 
 Both implement `Lookup`: `extend` the history with committed tokens, `propose_after(extra, k)` the tokens that
 continue history + extra (extra: drafted tokens not committed yet, e.g. a tree path) with the match length behind
-the first one, which the router's acceptance estimates bucket by. `LOOKUP_CLASSES` makes one by source name.
+the first one, which the router's acceptance estimates bucket by. `LOOKUP_CLASSES` names their classes.
 
 Confidence (per draft token, in [0, 1], conditional on the earlier draft tokens being right; a path's confidence
 is the product): a token copied after an n-token match gets match_confidence(n) = n / (n + 1) (1 -> 0.5,
@@ -60,6 +60,9 @@ class Lookup(Protocol):
     def propose_after(self, extra: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens continuing history + extra, and the match length behind the first one (0: none)."""
 
+    def finish(self) -> None:
+        """The generation ended: what the lookup leaves for later generations (dytc/suffix.py)."""
+
 
 def _cut_eos(tokens: list[int], eos_ids: Collection[int]) -> list[int]:
     for i, t in enumerate(tokens):
@@ -81,6 +84,9 @@ class PromptLookup:
         self.tokens: list[int] = []
         self.first: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]  # per n: n-gram -> start
         self.extend(tokens)
+
+    def finish(self) -> None:
+        """(Nothing outlives the generation.)"""
 
     def extend(self, tokens: Sequence[int]) -> None:
         hist, first = self.tokens, self.first
@@ -146,6 +152,9 @@ class MaxGram:
         self.total: dict[int, int] = {}
         self.best: dict[int, int] = {}
         self.extend(tokens)
+
+    def finish(self) -> None:
+        """(Nothing outlives the generation.)"""
 
     def _state(self, length: int, link: int, first: int, nxt: dict[int, int]) -> int:
         self.next.append(nxt)
@@ -252,9 +261,6 @@ class MaxGram:
         return v, n
 
 
-LOOKUP_CLASSES: dict[str, type] = {PLD: PromptLookup, MAXGRAM: MaxGram}  # source name -> lookup class
+LOOKUP_CLASSES: dict[str, type] = {PLD: PromptLookup, MAXGRAM: MaxGram}  # source name -> lookup class (those over
+# the history alone; dytc/shared.py's new_lookup makes every source's)
 
-
-def new_lookup(name: str, tokens: Sequence[int], eos_ids: Collection[int]) -> Lookup:
-    """A lookup by source name over an initial history."""
-    return LOOKUP_CLASSES[name](tokens, eos_ids=eos_ids)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,8 +36,9 @@ from dsia.model import Transformer
 from dsia.topk import top_k_logsumexp
 
 from .latency import TARGET_LEVEL, LatencyModel
-from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, PromptLookup
+from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, Lookup, PromptLookup
 from .sampling import SamplingParams, coupled_top, sample, warp
+from .shared import Memory, new_lookup
 from .tree import DraftTree, ancestor_mask, position_ids
 from .verify import Noise
 
@@ -66,6 +68,11 @@ class DraftContext:
     load: Load | None = None  # a batched step's other generations (None: this one alone)
     forwards: list[tuple[str, int, bool]] | None = None  # every level forward (level, tokens, tree mask) when a
     # caller records them (the oracle replay); None: not recorded
+    memory: Memory | None = None  # the client's memory of earlier generations (recycled candidates, suffix tree);
+    # None: the recycle source is off, the suffix source uses the generation's own tree
+    target_top: tuple[list[int], np.ndarray, np.ndarray] | None = None  # the last verification's tree tokens [N]
+    # and the target's top successors after each [N, k] with their log-probabilities [N, k], where the policy asks
+    # for them (Policy.target_top_k); None otherwise
 
     @property
     def room(self) -> int:
@@ -110,6 +117,11 @@ class DraftContext:
             return (values - lse[:, None]).exp(), tokens
         return coupled_top(logits.cpu(), self.sampling, self.noise, [p + 1 for p in positions], k)
 
+    def lookup(self, name: str) -> Lookup:
+        """A zero-cost source by name over this generation's history (dytc/shared.py)."""
+        return new_lookup(name, self.history, self.eos_ids, self.memory, self.noise if self.coupled else None,
+                          self.sampling.temperature)
+
     def commit(self, emitted: list[int]) -> None:
         """After verification: the emitted tokens join the history (the last one is the next root)."""
         self.history.extend(emitted)
@@ -118,6 +130,10 @@ class DraftContext:
 
 class Policy:
     name = "ar"
+    target_top_k = 0  # the target's top successors per verified node the policy reads in observe (ctx.target_top)
+
+    def finish(self, ctx: DraftContext) -> None:
+        """The generation ended (whatever ended it): what the policy leaves for later generations."""
 
     def begin(self, ctx: DraftContext) -> None:
         """A new generation: ctx.history is the prompt plus the first token (the first root)."""

@@ -59,11 +59,12 @@ from dsia.levels import Level, reads_kv_of
 from .acceptance import AcceptanceTracker
 from .costs import COST_REFRESH_STEPS, cost_tables
 from .latency import TARGET_LEVEL
-from .ngram import Lookup, new_lookup
 from .policies import DraftContext, Policy
+from .proposals import Lookups
+from .recycle import RECYCLE_K
 from .router_step import (Action, Node, RouterConfig, Step, consecutive_runs, geometric, held_lookups, stale_level,
                           unused_proposals)
-from .sources import LOOKUPS, OVERRULED, held, is_lookup, overruled, sibling
+from .sources import OVERRULED, RECYCLE, is_lookup, overruled, sibling
 from .tree import DraftTree, ancestor_rows, is_chain
 
 WORSE_K_STOP = 3  # a segment's length k stops growing after its predicted rate fell this many times in a row
@@ -78,7 +79,7 @@ class DyTC(Policy):
         self.levels = {lv.name: lv for lv in levels}
         self.tracker = tracker  # shared across generations: estimates carry over
         self.cfg = cfg
-        self.lookups: dict[str, Lookup] = {}  # name -> lookup over this generation's history
+        self.lookups: Lookups | None = None  # this generation's zero-cost sources (begin)
         self.step: Step | None = None  # the step drafted last, which `observe` learns from
         self.fallbacks_in_row = 0
         self.fallback_steps, self.steps = 0, 0  # (this and what follows: the per-generation report)
@@ -89,18 +90,20 @@ class DyTC(Policy):
         self.last_drafted: dict[str, int] = {name: 0 for name in self.levels}  # level -> the step it last drafted in
         self.explore_steps, self.explore_loss = 0, 0.0  # steps a level was forced into; throughput they gave up
         self.free_tests = 0  # lookup tokens tested without being drafted (router_step.unused_proposals)
-        self.held: set[str] = set()  # lookups whose proposal at the last step's root held over all it emitted
         self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
         # the cost tables (step predicted at, other generations' rows, verify_ms, level_ms), predicted again every
         # COST_REFRESH_STEPS steps and when a batched step's other rows change
         self.tables: tuple[int, int, list[float], dict[str, list[float]]] | None = None
+        self.target_top_k = RECYCLE_K if RECYCLE in cfg.lookups else 0  # recycle learns the target's candidates
 
     # ------------------------------------------------------------------ lifecycle
     def begin(self, ctx: DraftContext) -> None:
         for lv in self.levels.values():
             lv.begin(ctx.model, ctx.cache, ctx.history)
-        self.lookups = {name: new_lookup(name, ctx.history, ctx.eos_ids) for name in self.cfg.lookups}
-        self.held = set()
+        self.lookups = Lookups(ctx, self.cfg.lookups, self.cfg.lookup_tokens, self.cfg.held_lookup_tokens)
+
+    def finish(self, ctx: DraftContext) -> None:
+        self.lookups.finish()
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         assert self.step is not None and self.step.tree is tree, "observe the tree this router drafted last"
@@ -113,14 +116,13 @@ class DyTC(Policy):
                 o = self.outcomes.setdefault(nodes[n].source, [0, 0])
                 o[0] += 1
                 o[1] += int(n in on_path)
-        free = unused_proposals(self.step, emitted, self.held)
+        free = unused_proposals(self.step, emitted, self.lookups.held)
         self.free_tests += len(free)
         self.tracker.update(outcomes + free)
-        self.held = held_lookups(self.step, emitted)
         for lv in self.levels.values():
             lv.observe(ctx.model, ctx.cache, ctx.history, emitted)
-        for lookup in self.lookups.values():
-            lookup.extend(emitted)
+        level_rows = [(tree.tokens[n], *nd.dists[name]) for n, nd in enumerate(nodes) for name in nd.dists]
+        self.lookups.observe(ctx, emitted, held_lookups(self.step, emitted), level_rows)
 
     def report(self) -> dict:
         sizes = self.tree_sizes or [1]
@@ -132,6 +134,7 @@ class DyTC(Policy):
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
                 "predicted_draft_ms": round(self.predicted_draft_ms, 1), "explore_steps": self.explore_steps,
                 "free_tests": self.free_tests, "overhead_ms": round(self.overhead_ms, 2),
+                "lookup_us_by_source": self.lookups.report() if self.lookups is not None else {},
                 "measured_draft_ms": round(self.measured_draft_ms, 1),
                 "explore_loss": round(self.explore_loss / max(self.explore_steps, 1), 4),
                 "estimate_origins": {s: self.tracker.origins[s] for s in self.levels if s in self.tracker.origins}}
@@ -216,16 +219,16 @@ class DyTC(Policy):
                 continue
             if self.lookups and not has_child[n] and node.proposals is None:
                 path = [tree.tokens[i] for i in tree.path_to(n)[1:]]
-                node.proposals = {name: lk.propose_after(path, self.cfg.held_lookup_tokens if name in self.held
-                                                         else self.cfg.lookup_tokens)
-                                  for name, lk in self.lookups.items()}
+                node.proposals = self.lookups.at(path)
             considered = False
             for act in self._level_actions(step, expected, n, children[n], n_max, max_depth):
                 considered = True
                 if only is None or act.source == only:
                     best = act if best is None or act.rate > best.rate else best
-            if not has_child[n] and only is None:
-                for act in self._lookup_actions(step, expected, n, n_max, max_depth):
+            if only is None and (not has_child[n] or RECYCLE in self.lookups):
+                if has_child[n]:  # the recycled tree's next branch here (its best successor not drafted yet)
+                    node.branch = self.lookups.branch([tree.tokens[i] for i in tree.path_to(n)[1:]], children[n])
+                for act in self._lookup_actions(step, expected, n, n_max, max_depth, has_child[n]):
                     considered = True
                     best = act if best is None or act.rate > best.rate else best
             seen[has_child[n]] += considered
@@ -282,7 +285,7 @@ class DyTC(Policy):
         pending = len(self._pending(step, n, name))
         variants = [(0, "", 1.0, accept, cost_ms[min(pending, len(cost_ms) - 1)])]
         for lookup, (tokens, match) in (step.nodes[n].proposals or {}).items():
-            agree, reviewed = self.tracker.estimate(self._source(lookup), match), 0.0
+            agree, reviewed = self.tracker.estimate(self.lookups.source(lookup), match), 0.0
             for r in range(1, min(len(tokens), self.cfg.review_tokens, n_max - len(step.tree) - 1) + 1):
                 if agree ** r < REVIEW_MIN_GAIN:
                     break
@@ -290,11 +293,17 @@ class DyTC(Policy):
                 variants.append((r, lookup, 1.0 + reviewed, accept, cost_ms[min(pending + r, len(cost_ms) - 1)]))
         return variants
 
-    def _lookup_actions(self, step: Step, expected: float, n: int, n_max: int, max_depth: int) -> Iterator[Action]:
-        """Each lookup's proposal at leaf n attached k tokens deep: no forward, only a larger verification."""
+    def _lookup_actions(self, step: Step, expected: float, n: int, n_max: int, max_depth: int,
+                        inner: bool = False) -> Iterator[Action]:
+        """Each lookup's proposal at leaf n attached k tokens deep (inner: the recycled branch at inner node n): no
+        forward, only a larger verification."""
         node, N = step.nodes[n], len(step.tree)
-        for lookup, (tokens, match) in (node.proposals or {}).items():
-            accept = self.tracker.estimate(self._source(lookup), match)
+        if inner:
+            proposals = {RECYCLE: node.branch} if node.branch is not None else {}
+        else:
+            proposals = node.proposals or {}
+        for lookup, (tokens, match) in proposals.items():
+            accept = self.tracker.estimate(self.lookups.source(lookup), match)
             gain, prob, best_rate, best_k = 0.0, node.p, 0.0, 0
             for k in range(1, min(len(tokens), n_max - N, max_depth - node.depth) + 1):
                 prob *= accept
@@ -303,11 +312,7 @@ class DyTC(Policy):
                 if rate > best_rate:
                     best_rate, best_k = rate, k
             if best_k:
-                yield Action(best_rate, n, lookup, best_k)
-
-    def _source(self, lookup: str) -> str:
-        """A lookup's source name this step: held(lookup) where its last root proposal held (a copy under way)."""
-        return held(lookup) if lookup in self.held else lookup
+                yield Action(best_rate, n, lookup, best_k, branch=inner)
 
     def _pending(self, step: Step, n: int, level: str) -> list[int]:
         """Nodes on the path to n whose KV `level` cannot read (they need its forward first)."""
@@ -329,8 +334,10 @@ class DyTC(Policy):
     # ------------------------------------------------------------------ growing the tree
     def _execute(self, ctx: DraftContext, step: Step, act: Action) -> None:
         n, tracker = act.node, self.tracker
-        if act.source in LOOKUPS:
-            (tokens, match), source = step.nodes[n].proposals[act.source], self._source(act.source)
+        if act.source in self.lookups:
+            node = step.nodes[n]
+            (tokens, match), source = node.branch if act.branch else node.proposals[act.source], self.lookups.source(
+                act.source)
             accept = tracker.estimate(source, match)
             for tok in tokens[:act.k]:
                 n = step.add(n, tok, source, match, step.nodes[n].p * accept)
@@ -339,7 +346,7 @@ class DyTC(Policy):
         if act.review:  # attach the copied tokens, run the level over them, drop those it disagrees with
             first_new = len(step.tree)
             tokens, match = step.nodes[n].proposals[act.reviewed]
-            leaf, source = n, self._source(act.reviewed)
+            leaf, source = n, self.lookups.source(act.reviewed)
             for tok in tokens[:act.review]:
                 leaf = step.add(leaf, tok, source, match, step.nodes[leaf].p * tracker.estimate(source, match))
             self._run(ctx, step, name, self._pending(step, leaf, name))

@@ -1,7 +1,9 @@
 """Names of draft sources: what the router, the cascades and the acceptance estimates call each proposer.
 
-A source is a dsia level (named by its level name, e.g. `int4+vocab`) or a zero-cost statistical lookup over the
-token history (`pld`, `maxgram`: dytc/ngram.py). A level's top-1 tokens and its lower-ranked ones (siblings) are
+A source is a dsia level (named by its level name, e.g. `int4+vocab`) or a zero-cost lookup: over the token history
+(`pld`, `maxgram`: dytc/ngram.py), over the target's own candidates from earlier verifications (`recycle`:
+dytc/recycle.py) or over a suffix tree of this generation's and the same client's earlier generations' text
+(`suffix`: dytc/suffix.py). A level's top-1 tokens and its lower-ranked ones (siblings) are
 separate sources, and so is a lookup token that a level reviewed and disagreed with (overruled): each is
 accepted at its own rate.
 """
@@ -9,9 +11,14 @@ from __future__ import annotations
 
 PLD = "pld"  # prompt lookup (HF's prompt-lookup decoding)
 MAXGRAM = "maxgram"  # CS Drafting's Max-Gram
-LOOKUPS = (PLD, MAXGRAM)  # the statistical sources, in the order `both` uses them
-BOTTOMS = {"pld": (PLD,), "maxgram": (MAXGRAM,), "both": (PLD, MAXGRAM), "none": ()}  # --bottom -> the lookups
-# beneath the levels of vc, tree+vc, vc+hc and dytc ("both": prompt lookup first)
+RECYCLE = "recycle"  # Token Recycling: the target's top-k successors of each token, kept from verifications
+SUFFIX = "suffix"  # SuffixDecoding: frequency-scored continuations from suffix trees of earlier text
+LOOKUPS = (PLD, MAXGRAM, RECYCLE, SUFFIX)  # the zero-cost sources, in the order a bottom of several uses them
+FREE = (RECYCLE, SUFFIX)  # those that draw on what earlier generations left (dytc/shared.py: per client)
+BOTTOMS = {"pld": (PLD,), "maxgram": (MAXGRAM,), "both": (PLD, MAXGRAM), "none": (),  # --bottom -> the lookups
+           # beneath the levels of vc, tree+vc, vc+hc and dytc ("both": prompt lookup first)
+           RECYCLE: (RECYCLE,), SUFFIX: (SUFFIX,), "free": FREE, "maxgram+recycle": (MAXGRAM, RECYCLE),
+           "maxgram+suffix": (MAXGRAM, SUFFIX), "maxgram+free": (MAXGRAM, *FREE), "all": LOOKUPS}
 DEFAULT_BOTTOM = "maxgram"  # measured best beneath dytc (+5-6% over pld, both: on a par), on a par beneath vc
 # (README, "Results on this machine")
 OVERRULED = "!"  # suffix of a lookup's source name for its tokens a level reviewed and disagreed with

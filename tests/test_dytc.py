@@ -484,7 +484,7 @@ def test_after_a_root_proposal_held_the_lookups_tokens_are_held_and_run_further(
     proposal = router.step.nodes[0].proposals[MAXGRAM][0]
     assert MAXGRAM in plain and held(MAXGRAM) not in plain and len(proposal) == router.cfg.lookup_tokens
     router.observe(ctx, tree, [0], proposal[:1])  # (the first token emitted: the proposal held as far as it went)
-    assert router.held == {MAXGRAM}
+    assert router.lookups.held == {MAXGRAM}
     ctx.commit(proposal[:1])
     e.extend_prefix(ctx.history[:-1])  # (the target's KV up to the new root, as a verification leaves it)
     tree = router.draft(ctx)
@@ -492,7 +492,7 @@ def test_after_a_root_proposal_held_the_lookups_tokens_are_held_and_run_further(
     assert held(MAXGRAM) in copied and MAXGRAM not in copied
     assert len(router.step.nodes[0].proposals[MAXGRAM][0]) == router.cfg.held_lookup_tokens
     router.observe(ctx, tree, [0], [7])  # a token the proposal missed: the copy is over
-    assert router.held == set()
+    assert router.lookups.held == set()
 
 
 def test_dytc_reports_its_free_tests_of_the_lookups():

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dytc.ngram import LOOKUP_CLASSES, MaxGram, PromptLookup, match_confidence, new_lookup
+from dytc.ngram import LOOKUP_CLASSES, MaxGram, PromptLookup, match_confidence
+from dytc.shared import new_lookup
 
 SETTINGS = settings(max_examples=150, deadline=None)
 histories = st.lists(st.integers(0, 4), max_size=50)  # a small alphabet: many repeats

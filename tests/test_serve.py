@@ -3,6 +3,7 @@ here (and the embedded model where installed), driven by the official openai cli
 the engine's own, usage and the per-request statistics are right, errors have OpenAI's shape and the CLI's
 messages, auth, a disconnect cancels, a full queue answers 429, 8 concurrent clients lose nothing and get what
 each request gives alone, and /metrics counts exactly the per-request statistics."""
+import hashlib
 import json
 import re
 import signal
@@ -443,3 +444,26 @@ def test_embedded_model_through_the_server(embedded_engine):
     assert text == ref.text and "Paris" in text
     assert next(ch for ch in chunks if ch.choices and ch.choices[0].finish_reason).model_extra["casspec"][
         "method"] == "dytc"
+
+
+def test_each_api_key_and_user_has_its_own_memory_of_earlier_answers(engine):
+    """A server whose dytc drafts with the recycle and suffix sources: a call files its generation under its API key
+    and OpenAI `user` (the engine's memory per client), answers as alone, and a `user` id past the bound is a 400."""
+    body = {"prompt": "w5 w6 w7 w5 w6", "max_tokens": 12, "temperature": 0}
+    want = alone(engine, body["prompt"], False, max_new_tokens=12, bottom="free").text
+    engine.shared.forget()
+    with background(engine, ServeConfig(model_name="tiny", bottom="free", max_queue=2)) as base:
+        answers = {}
+        for user in ("ann", "ben", "ann"):
+            r = httpx.post(f"{base}/v1/completions", json={**body, "user": user},
+                           headers={"Authorization": "Bearer k1"})
+            assert r.status_code == 200
+            answers.setdefault(user, []).append(r.json()["choices"][0]["text"])
+        r = httpx.post(f"{base}/v1/completions", json=body)  # (no key, no user)
+        assert r.status_code == 200
+        r = httpx.post(f"{base}/v1/completions", json={**body, "user": "u" * 300})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "user"
+    assert answers == {"ann": [want, want], "ben": [want]}
+    tenants = {t: m.suffixes.stats()["sequences"] for t, m in engine.shared.clients.items() if m.suffixes}
+    digest = hashlib.sha256(b"k1").hexdigest()[:16]
+    assert tenants == {f"{digest}/ann": 2, f"{digest}/ben": 1, "/": 1}

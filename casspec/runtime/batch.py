@@ -132,6 +132,7 @@ class Batch:
         self.running.remove(run)
         run.slot.keep(run.dec.ctx.history)
         self.free.append(run.slot)
+        run.dec.finish()
         with self.engine.hold():
             return self.engine.close(run.live)
 

@@ -27,6 +27,7 @@ from dsia.levels import LevelRegistry
 from dytc.machine import machine_info, resident_bytes
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams
+from dytc.shared import SharedDrafts
 from dytc.verify import Noise
 
 from .defaults import BOTTOM, LEVEL, MAX_NEW_TOKENS, METHOD
@@ -75,6 +76,8 @@ class Engine:
         self.eos_ids = self._eos_ids(loaded.generation_eos)
         store = LevelStore(loaded.store_dir / "levels", self.dtype, self.device) if loaded.store_dir else None
         self.levels = LevelRegistry(self.model, store=store)  # draft levels, built on first use and reused
+        # what the recycle and suffix sources remember of earlier generations, per client (kept across calibrations)
+        self.shared = SharedDrafts()
         self.setup = {"kernels": time.perf_counter() - t0}  # seconds of set-up by phase, until a generation reports
         self._keep_state = opts.keep_state
         self.use_calibration(calibration or calibrate(self, False, self._levels_for))
@@ -260,6 +263,7 @@ class Engine:
                         break
             finally:  # (also when the caller stops early): what the cache holds, for the next prompt to reuse
                 self.slot.keep(dec.ctx.history)
+                dec.finish()
             _, last = self.close(live)
             if last:
                 yield last
@@ -297,7 +301,8 @@ class Engine:
             root = pick(prefill(self.model, cache, prompt_ids), req.sampling, noise, len(prompt_ids))
         stats.target_forwards = 1
         ctx = DraftContext(self.model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
-                           budget=req.max_new_tokens - 1, latency=self.latency, noise=noise)
+                           budget=req.max_new_tokens - 1, latency=self.latency, noise=noise,
+                           memory=self.shared.memory(req.tenant))
         return Decoding(ctx, req, stats, policy, self.latency, generator, noise)
 
     def close(self, live: Live) -> tuple[Result, str]:

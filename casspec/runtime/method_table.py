@@ -42,6 +42,7 @@ SINGLE_LEVEL = tuple(n for n, m in TABLE.items() if m.drafts == "level")  # meth
 MULTI_LEVEL = tuple(n for n, m in TABLE.items() if m.drafts == "levels")  # with Request.levels
 SEGMENTED = tuple(n for n, m in TABLE.items() if m.segmented)
 WITH_BOTTOM = tuple(n for n, m in TABLE.items() if m.bottom)
+NO_LEVELS = "none"  # dytc's levels given as this alone: the router over its lookups (--bottom) only, no level
 
 
 def default_sources(method: str, device_type: str, plane: Plane | None = None) -> list[tuple[str, int]]:
@@ -68,7 +69,10 @@ def default_levels(device_type: str, plane: Plane | None = None) -> tuple[str, .
 
 
 def parse_sources(method: str, levels: Sequence[str]) -> list[tuple[str, int]]:
-    """Request.levels of a multi-level method -> [(source, segment tokens or 0)]; one clear error if malformed."""
+    """Request.levels of a multi-level method -> [(source, segment tokens or 0)]; one clear error if malformed.
+    dytc's (NO_LEVELS,): [] (its lookups alone)."""
+    if method == "dytc" and tuple(levels) == (NO_LEVELS,):
+        return []
     out = []
     for item in levels:
         name, star, k = item.partition("*")

@@ -34,7 +34,9 @@ class Drafters:
 
     def sources(self, req: Request) -> list[tuple[str, int]]:
         """The request's sources of a multi-level method, or the method's defaults."""
-        return parse_sources(req.method, req.levels) or default_sources(req.method, self.device_type, self.plane)
+        if req.levels:
+            return parse_sources(req.method, req.levels)
+        return default_sources(req.method, self.device_type, self.plane)
 
     def describe(self, req: Request) -> str:
         """The request's draft sources and where they come from, for --stats ("" for ar and pld)."""
@@ -42,7 +44,7 @@ class Drafters:
             return req.level
         if req.method not in MULTI_LEVEL:
             return ""
-        names = ", ".join(f"{n}*{k}" if k else n for n, k in self.sources(req))
+        names = ", ".join(f"{n}*{k}" if k else n for n, k in self.sources(req)) or "no level (its lookups alone)"
         if req.levels:
             return f"{names} (the request's)"
         if self.plane is not None and self.plane.sources(req.method, HC_SEGMENTS):

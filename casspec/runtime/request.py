@@ -26,8 +26,10 @@ class Request:
     level: str = LEVEL  # the draft level of the single-level methods (sd, tree)
     levels: tuple[str, ...] = ()  # sources of vc / dytc (level names, strongest first) and of hc / vc+hc
     # (segments "LEVEL*K", "pld*K" or "maxgram*K", in chain order); empty = the method's defaults
-    bottom: str = BOTTOM  # lookups beneath the levels of vc, tree+vc, vc+hc, dytc: pld | maxgram | both
+    bottom: str = BOTTOM  # lookups beneath the levels of vc, tree+vc, vc+hc, dytc (dytc.sources.BOTTOMS)
     router: RouterConfig | None = None  # dytc's settings (its levels and lookups come from the request); None = default
+    tenant: str = ""  # the client whose memory the recycle and suffix sources draw on and add to (dytc/shared.py):
+    # one client's text never drafts for another's
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -44,6 +46,8 @@ class Request:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):
             raise CasspecError(f"seed must be an integer in [0, 2**64) (got {repr(self.seed)[:40]})")
+        if not isinstance(self.tenant, str):
+            raise CasspecError(f"tenant must be a string (got {type(self.tenant).__name__})")
         if any(not s for s in self.stop):
             raise CasspecError("stop strings must not be empty: drop the empty --stop")
 

@@ -22,6 +22,7 @@ import torch
 
 from dsia.kvcache import KVCache
 from dsia.model import BatchItem, Transformer
+from dsia.topk import top_k_logsumexp
 from dytc.latency import TARGET_LEVEL, LatencyModel
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams, coupled_top, warp
@@ -44,6 +45,7 @@ class Decoding:
     latency: LatencyModel
     generator: torch.Generator | None  # draws of drafts sampled from q and of their checks (sampling)
     noise: Noise | None  # position-owned noise of the coupled verification (sampling)
+    finished: bool = False  # `finish` ran
 
     def begin(self) -> list[int]:
         """The policy's start over the prompt; the first block: the root (the prefill's token)."""
@@ -72,10 +74,20 @@ class Decoding:
         emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
         self.ctx.commit(emitted)
         with stats.timer("draft"):
+            if k := self.policy.target_top_k:  # the target's candidates at every node, for the policy to keep
+                values, top, lse = top_k_logsumexp(logits.float(), k)  # [N, k], [N, k], [N]
+                self.ctx.target_top = (list(tree.tokens), top.cpu().numpy(), (values - lse[:, None]).cpu().numpy())
             self.policy.observe(self.ctx, tree, path, emitted)
         stats.record_step(len(tree) - 1, len(path) - 1, self.ctx.draft_forwards, self.ctx.draft_ms,
                           self.policy.report())
         return emitted
+
+    def finish(self) -> None:
+        """The generation ended: the policy keeps what later generations draw on (once)."""
+        if not self.finished:
+            self.finished = True
+            with self.stats.timer("draft"):
+                self.policy.finish(self.ctx)
 
     @torch.inference_mode()
     def steps(self) -> Iterator[list[int]]:

@@ -19,6 +19,7 @@ message and one log line; the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -217,7 +218,7 @@ class Api:
         check_json(request)
         self.scheduler.check_room()
         raw = await read_body(request, self.cfg.limits.max_body_bytes, self.cfg.limits.client_timeout)
-        call = await run_in_threadpool(self._parse, raw, chat)
+        call = await run_in_threadpool(self._parse, raw, chat, self._key(request))
         job = Job(call, asyncio.get_running_loop(), deadline)
         self.scheduler.submit(job)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
@@ -228,8 +229,14 @@ class Api:
         head["object"] = "chat.completion" if chat else "text_completion"
         return await self._answer(request, job, chat, head)
 
-    def _parse(self, raw: bytes, chat: bool) -> Call:
-        return parse_call(read_json(raw), chat, self.engine, self.template, self.name, self.cfg.limits)
+    def _parse(self, raw: bytes, chat: bool, key: str) -> Call:
+        return parse_call(read_json(raw), chat, self.engine, self.template, self.name, self.cfg.limits, key)
+
+    def _key(self, request: HttpRequest) -> str:
+        """Whose call it is, for the memory the recycle and suffix sources keep per client (dytc/shared.py): a
+        digest of the API key it presented ("" without one)."""
+        key = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
     async def _next(self, job: Job) -> tuple[str, object]:
         """The job's next event; a job still waiting for the engine at its deadline is given up (503)."""

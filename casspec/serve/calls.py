@@ -105,6 +105,7 @@ LIMITS_HELP = {  # Limits field -> what `casspec serve --FIELD` does
 }
 
 
+MAX_USER_CHARS = 256  # longest OpenAI `user` id accepted
 NUMBER = (int, float)
 FIELDS: dict[str, tuple[tuple[type, ...], str]] = {  # what a call may set: accepted JSON types, in words
     "model": ((str,), "a string"),
@@ -116,6 +117,7 @@ FIELDS: dict[str, tuple[tuple[type, ...], str]] = {  # what a call may set: acce
     "stop": ((str, list), "a string or a list of strings"),
     "stream": ((bool,), "true or false"),
     "stream_options": ((dict,), "an object"),
+    "user": ((str,), "a string"),  # OpenAI's end-user id: with the API key, whose memory the free sources use
 }
 CHAT_FIELDS = {**FIELDS, "messages": ((list,), "a list of messages"),
                "max_completion_tokens": ((int,), "an integer")}
@@ -165,9 +167,11 @@ def read_json(raw: bytes) -> Any:
 
 
 def parse_call(body: Any, chat: bool, engine: Engine, template: Request, model_name: str,
-               limits: Limits = Limits()) -> Call:
+               limits: Limits = Limits(), key: str = "") -> Call:
     """Check a call's JSON body and build its Request; ApiError (400, 404) for anything wrong, unsupported or over
-    `limits`. The prompt is measured in characters before it is templated and tokenized."""
+    `limits`. The prompt is measured in characters before it is templated and tokenized. key: the caller's API key
+    digest; with the call's `user` it names the client whose memory of earlier generations the recycle and suffix
+    sources use (Request.tenant)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", "invalid_request")
     given = _given(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
@@ -175,6 +179,10 @@ def parse_call(body: Any, chat: bool, engine: Engine, template: Request, model_n
         raise ApiError(404, f"the model {_show(repr(given['model']))} does not exist: this server serves "
                        f"{model_name!r}", "model_not_found", "model")
     stream, include_usage = _stream(given)
+    user = given.get("user", "")
+    if len(user) > MAX_USER_CHARS:
+        raise ApiError(400, f"user is {len(user)} characters long: send an id of at most {MAX_USER_CHARS}",
+                       "invalid_value", "user")
     stop = _stops(given.get("stop", []), limits)
     max_tokens = _max_tokens(given, chat, limits)
     if chat and "messages" not in given:
@@ -185,7 +193,7 @@ def parse_call(body: Any, chat: bool, engine: Engine, template: Request, model_n
     prompt = _messages(given["messages"]) if chat else _prompt(given["prompt"])
     try:
         req = replace(template, max_new_tokens=1 if max_tokens is None else max_tokens,
-                      sampling=_sampling(given, engine), stop=stop, seed=given.get("seed"))
+                      sampling=_sampling(given, engine), stop=stop, seed=given.get("seed"), tenant=f"{key}/{user}")
         ids = _prompt_ids(engine, prompt, chat, limits)  # (the costly check last)
     except CasspecError as e:
         raise _request_error(str(e), chat) from None

@@ -75,18 +75,20 @@ def variants(method: str) -> dict[str, dict]:
 
 
 def method_request(method: str, level: str = LEVEL, max_new_tokens: int = BENCH_MAX_NEW_TOKENS,
-                   sampling: SamplingParams = SamplingParams(), seed: int | None = None) -> Request:
+                   sampling: SamplingParams = SamplingParams(), seed: int | None = None, tenant: str = "") -> Request:
     """The Request of a bench method spec: `sd:int8`, `tree:skip0.4` (one level), `dytc:int4/int8`, `vc:int4`
     (levels, strongest first), `hc:int4*4/int4+vocab*3/maxgram*3` (segments); `vc~maxgram`, `dytc~both` (the
-    lookups beneath the levels), `dytc~const` (DYTC_VARIANTS)."""
+    lookups beneath the levels), `dytc~const` (DYTC_VARIANTS). tenant: whose memory of earlier generations the
+    recycle and suffix sources use (Request.tenant)."""
     name, _, spec = method.partition(":")
     name, _, variant = name.partition("~")
     fields = variants(name)[variant] if variant else {}
     if name in MULTI_LEVEL:
         levels = tuple(spec.split("/")) if spec else ()
         return Request(max_new_tokens=max_new_tokens, method=name, levels=levels, sampling=sampling, seed=seed,
-                       **fields)
-    return Request(max_new_tokens=max_new_tokens, method=name, level=spec or level, sampling=sampling, seed=seed)
+                       tenant=tenant, **fields)
+    return Request(max_new_tokens=max_new_tokens, method=name, level=spec or level, sampling=sampling, seed=seed,
+                   tenant=tenant)
 
 
 def parse_methods(spec: str | Sequence[str]) -> list[str]:
@@ -161,7 +163,8 @@ def _hf_runner(engine: Engine, kwargs: dict, sampling: SamplingParams, static_ca
 def _engine_runner(engine: Engine, method: str, level: str, sampling: SamplingParams,
                    seed: int = SAMPLING_SEED) -> TurnFn:
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int, dict]:
-        req = method_request(method, level, max_new_tokens, sampling, seed=None if sampling.greedy else seed)
+        req = method_request(method, level, max_new_tokens, sampling, seed=None if sampling.greedy else seed,
+                             tenant=f"bench {method}")  # (each method remembers only its own earlier generations)
         res = engine.generate_ids(ids, req)
         st = res.stats
         return res.token_ids, st.target_forwards, {k: getattr(st, k) for k in STAT_SUMS + ("accepted_by_depth",
@@ -351,6 +354,9 @@ def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str],
     bars = {m: tqdm(total=len(questions) * repeats, desc=m, unit="q", position=i, leave=True,
                     disable=not progress, file=sys.stderr) for i, m in enumerate(methods)}
     for rep in range(repeats):
+        # each pass starts with no memory of earlier generations (neither the warm-up's nor an earlier pass's: a
+        # repeat would find its own answer in the suffix tree); within a pass a method draws on the questions before
+        engine.shared.forget()
         for qi, q in enumerate(questions):
             for m, run in runners.items():
                 a = run_question(engine, run, q, max_new_tokens, answers[m][qi] if rep else None)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from dsia.errors import CasspecError
 from dytc.latency import TARGET_LEVEL
-from dytc.ngram import PLD_NUM_TOKENS, new_lookup
+from dytc.ngram import LOOKUP_CLASSES, PLD_NUM_TOKENS
 from dytc.policies import DraftContext, Policy
 from dytc.costs import MIN_MS
 from dytc.replay import LiveStep, Recording, oracle, replay, replay_live, static_policies
@@ -103,7 +103,7 @@ def _lookups(names: tuple[str, ...], prompt: list[int], y: list[int], eos: froze
     """Per lookup: tokens proposed after y[:j] and how many equal y[j:] ([T] each; [0] unused)."""
     proposed, match = {}, {}
     for name in names:
-        lk, p, m = new_lookup(name, prompt + y[:1], eos), [0], [0]
+        lk, p, m = LOOKUP_CLASSES[name](prompt + y[:1], eos_ids=eos), [0], [0]
         for j in range(1, len(y)):
             toks, _ = lk.propose_after([], PLD_NUM_TOKENS)
             p.append(len(toks))
@@ -143,7 +143,7 @@ def record(engine: Engine, prompt: list[int], q: Question, turn: int, levels: li
         raise RuntimeError(f"question {q.question_id} turn {turn + 1}: {', '.join(diverged)} emitted other tokens "
                            f"than {methods[0]}")
     ranks = {name: _ranks(engine, name, prompt, y) for name in levels}
-    proposed, match = _lookups(LOOKUPS, prompt, y, engine.eos_ids)
+    proposed, match = _lookups(tuple(LOOKUP_CLASSES), prompt, y, engine.eos_ids)  # (those over the history alone)
     verify, level = _costs(engine, levels, len(prompt) + len(y) // 2)
     return Recording(str(q.question_id), q.category, len(prompt), y, ranks, proposed, match, verify, level,
                      live, seconds, turn)

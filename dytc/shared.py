@@ -1,0 +1,83 @@
+"""What the zero-cost sources remember across generations, per client, and the one factory of every lookup.
+
+A `Memory` belongs to one client (`Request.tenant`: `casspec serve` names one per API key and OpenAI `user`): the
+target's recycled candidates (dytc/recycle.py) and the global suffix tree of its earlier generations
+(dytc/suffix.py). One client's text never drafts for another's. `SharedDrafts` (owned by the engine) keeps one
+Memory per client, the most recently used `MAX_CLIENTS`, and drops the oldest past that.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Collection, Sequence
+
+
+from .ngram import LOOKUP_CLASSES, Lookup
+from .recycle import Recycled, RecycleLookup
+from .sources import RECYCLE, SUFFIX
+from .suffix import SUFFIX_MAX_NODES, SuffixIndex, SuffixLookup
+from .verify import Noise
+
+MAX_CLIENTS = 64  # clients whose memories are kept (the least recently used is dropped past this)
+
+
+@dataclass
+class Memory:
+    """One client's recycled candidates (at most a row per vocabulary token) and global suffix tree."""
+    max_nodes: int = SUFFIX_MAX_NODES  # the suffix tree's node budget
+    recycled: dict[str, Recycled] = field(default_factory=dict)  # "greedy" | "sampling" -> table (a sampled row's
+    # log-probabilities are the target's own, but kept apart so that a mode's drafts learn from its own steps)
+    suffixes: SuffixIndex | None = None
+
+    def table(self, greedy: bool) -> Recycled:
+        mode = "greedy" if greedy else "sampling"
+        if mode not in self.recycled:
+            self.recycled[mode] = Recycled()
+        return self.recycled[mode]
+
+    def suffix_index(self) -> SuffixIndex:
+        if self.suffixes is None:
+            self.suffixes = SuffixIndex(max_nodes=self.max_nodes)
+        return self.suffixes
+
+    def stats(self) -> dict:
+        return {"recycled_rows": {m: len(t.rows) for m, t in self.recycled.items()},
+                "recycled_bytes": sum(t.nbytes for t in self.recycled.values()),
+                "suffix": self.suffixes.stats() if self.suffixes is not None else None}
+
+
+@dataclass
+class SharedDrafts:
+    """Every client's Memory, the most recently used MAX_CLIENTS."""
+    max_nodes: int = SUFFIX_MAX_NODES
+    max_clients: int = MAX_CLIENTS
+    clients: OrderedDict[str, Memory] = field(default_factory=OrderedDict)
+
+    def memory(self, tenant: str) -> Memory:
+        mem = self.clients.get(tenant)
+        if mem is None:
+            mem = self.clients[tenant] = Memory(self.max_nodes)
+            while len(self.clients) > self.max_clients:
+                self.clients.popitem(last=False)
+        self.clients.move_to_end(tenant)
+        return mem
+
+    def forget(self, tenant: str | None = None) -> None:
+        """Drop one client's memory (None: every client's)."""
+        if tenant is None:
+            self.clients.clear()
+        else:
+            self.clients.pop(tenant, None)
+
+
+def new_lookup(name: str, tokens: Sequence[int], eos_ids: Collection[int], memory: Memory | None = None,
+               noise: Noise | None = None, temperature: float = 1.0) -> Lookup:
+    """A lookup by source name over an initial history; recycle and suffix draw on the client's memory (without
+    one, on the generation's own steps and text alone). noise: sampling (coupled recycled drafts)."""
+    if name == RECYCLE:  # (without a memory: a table of this generation's own verifications)
+        table = memory.table(noise is None) if memory is not None else Recycled()
+        return RecycleLookup(tokens, table, eos_ids, noise, temperature)
+    if name == SUFFIX:
+        return SuffixLookup(tokens, memory.suffix_index() if memory is not None else None, eos_ids)
+    return LOOKUP_CLASSES[name](tokens, eos_ids=eos_ids)
+

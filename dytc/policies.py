@@ -70,9 +70,9 @@ class DraftContext:
     # caller records them (the oracle replay); None: not recorded
     memory: Memory | None = None  # the client's memory of earlier generations (recycled candidates, suffix tree);
     # None: the recycle source is off, the suffix source uses the generation's own tree
-    target_top: tuple[list[int], np.ndarray, np.ndarray] | None = None  # the last verification's tree tokens [N]
-    # and the target's top successors after each [N, k] with their log-probabilities [N, k], where the policy asks
-    # for them (Policy.target_top_k); None otherwise
+    target_top: tuple[list[int], np.ndarray, np.ndarray] | None = None  # the last verification's accepted path's
+    # tokens [P] (root first) and the target's top successors after each [P, k] with their log-probabilities [P, k],
+    # where the policy asks for them (Policy.target_top_k); None otherwise
 
     @property
     def room(self) -> int:

@@ -134,7 +134,7 @@ class DyTC(Policy):
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
                 "predicted_draft_ms": round(self.predicted_draft_ms, 1), "explore_steps": self.explore_steps,
                 "free_tests": self.free_tests, "overhead_ms": round(self.overhead_ms, 2),
-                "lookup_us_by_source": self.lookups.report() if self.lookups is not None else {},
+                **(self.lookups.report() if self.lookups is not None else {}),
                 "measured_draft_ms": round(self.measured_draft_ms, 1),
                 "explore_loss": round(self.explore_loss / max(self.explore_steps, 1), 4),
                 "estimate_origins": {s: self.tracker.origins[s] for s in self.levels if s in self.tracker.origins}}
@@ -226,8 +226,10 @@ class DyTC(Policy):
                 if only is None or act.source == only:
                     best = act if best is None or act.rate > best.rate else best
             if only is None and (not has_child[n] or RECYCLE in self.lookups):
-                if has_child[n]:  # the recycled tree's next branch here (its best successor not drafted yet)
+                if has_child[n] and node.branch_for != len(children[n]):  # the recycled tree's next branch here
+                    # (its best successor not drafted yet; asked again once a child was added)
                     node.branch = self.lookups.branch([tree.tokens[i] for i in tree.path_to(n)[1:]], children[n])
+                    node.branch_for = len(children[n])
                 for act in self._lookup_actions(step, expected, n, n_max, max_depth, has_child[n]):
                     considered = True
                     best = act if best is None or act.rate > best.rate else best
@@ -298,10 +300,7 @@ class DyTC(Policy):
         """Each lookup's proposal at leaf n attached k tokens deep (inner: the recycled branch at inner node n): no
         forward, only a larger verification."""
         node, N = step.nodes[n], len(step.tree)
-        if inner:
-            proposals = {RECYCLE: node.branch} if node.branch is not None else {}
-        else:
-            proposals = node.proposals or {}
+        proposals = ({RECYCLE: node.branch} if node.branch else {}) if inner else node.proposals or {}
         for lookup, (tokens, match) in proposals.items():
             accept = self.tracker.estimate(self.lookups.source(lookup), match)
             gain, prob, best_rate, best_k = 0.0, node.p, 0.0, 0
@@ -335,9 +334,8 @@ class DyTC(Policy):
     def _execute(self, ctx: DraftContext, step: Step, act: Action) -> None:
         n, tracker = act.node, self.tracker
         if act.source in self.lookups:
-            node = step.nodes[n]
-            (tokens, match), source = node.branch if act.branch else node.proposals[act.source], self.lookups.source(
-                act.source)
+            node, source = step.nodes[n], self.lookups.source(act.source)
+            tokens, match = node.branch if act.branch else node.proposals[act.source]
             accept = tracker.estimate(source, match)
             for tok in tokens[:act.k]:
                 n = step.add(n, tok, source, match, step.nodes[n].p * accept)

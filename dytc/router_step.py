@@ -46,7 +46,8 @@ class Node:
     proposals: dict[str, tuple[list[int], int]] | None = None  # lookup -> (tokens after this node, match length);
     # None: not asked yet
     branch: tuple[list[int], int] | None = None  # the recycled proposal whose first token is not a child yet (inner
-    # nodes; asked again each round, as children are added)
+    # nodes; asked again when children were added)
+    branch_for: int = -1  # the number of children `branch` was asked with
 
 
 @dataclass

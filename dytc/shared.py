@@ -1,9 +1,10 @@
 """What the zero-cost sources remember across generations, per client, and the one factory of every lookup.
 
 A `Memory` belongs to one client (`Request.tenant`: `casspec serve` names one per API key and OpenAI `user`): the
-target's recycled candidates (dytc/recycle.py) and the global suffix tree of its earlier generations
-(dytc/suffix.py). One client's text never drafts for another's. `SharedDrafts` (owned by the engine) keeps one
-Memory per client, the most recently used `MAX_CLIENTS`, and drops the oldest past that.
+target's recycled candidates (dytc/recycle.py) and the suffix tree of its generations (dytc/suffix.py: each
+generation's prompt and output a sequence of it, the earlier ones kept up to a node budget). One client's text never
+drafts for another's. `SharedDrafts` (owned by the engine) keeps one Memory per client, the most recently used
+`MAX_CLIENTS`, and drops the oldest past that.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ MAX_CLIENTS = 64  # clients whose memories are kept (the least recently used is 
 
 @dataclass
 class Memory:
-    """One client's recycled candidates (at most a row per vocabulary token) and global suffix tree."""
+    """One client's recycled candidates (at most a row per vocabulary token) and suffix tree."""
     max_nodes: int = SUFFIX_MAX_NODES  # the suffix tree's node budget
     recycled: dict[str, Recycled] = field(default_factory=dict)  # "greedy" | "sampling" -> table (a sampled row's
     # log-probabilities are the target's own, but kept apart so that a mode's drafts learn from its own steps)

@@ -38,7 +38,7 @@ def run_method(engine: Engine, method: str, questions: list, max_new_tokens: int
     out: dict = {"rounds": {}, "tokens": {}}
     answers: dict[str, str] = {}
     for rnd in ROUNDS:
-        new = wall = steps = accepted = 0
+        new = wall = steps = accepted = prefill = 0.0
         drafted_by: dict[str, int] = {}
         accepted_by: dict[str, int] = {}
         for q in questions:
@@ -56,6 +56,7 @@ def run_method(engine: Engine, method: str, questions: list, max_new_tokens: int
             out["tokens"][f"{rnd} {q.question_id}"] = res.token_ids
             spec = res.stats.speculative()
             new += len(res.token_ids)
+            prefill += res.stats.prefill_seconds
             steps += spec["num_drafts"]
             accepted += spec["num_accepted_tokens"]
             for s, n in res.stats.policy.get("drafted_by_source", {}).items():
@@ -63,12 +64,15 @@ def run_method(engine: Engine, method: str, questions: list, max_new_tokens: int
             for s, n in res.stats.policy.get("accepted_by_source", {}).items():
                 accepted_by[s] = accepted_by.get(s, 0) + n
         out["rounds"][rnd] = {"tokens_per_s": new / wall, "new_tokens": new, "seconds": wall,
+                              "decode_tokens_per_s": new / (wall - prefill), "prefill_seconds": prefill,
                               "mean_accepted_tokens": (steps + accepted) / max(steps, 1),  # (tokens per step)
                               "drafted_by_source": drafted_by, "accepted_by_source": accepted_by}
     mem = engine.shared.memory(tenant)
     out["suffix_tree"] = dict(mem.suffixes.stats(), bytes=mem.suffixes.nbytes()) if mem.suffixes else None
-    out["total_tokens_per_s"] = (sum(r["new_tokens"] for r in out["rounds"].values())
-                                 / sum(r["seconds"] for r in out["rounds"].values()))
+    rounds = out["rounds"].values()
+    new = sum(r["new_tokens"] for r in rounds)
+    out["total_tokens_per_s"] = new / sum(r["seconds"] for r in rounds)
+    out["total_decode_tokens_per_s"] = new / sum(r["seconds"] - r["prefill_seconds"] for r in rounds)
     return out
 
 
@@ -94,15 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     first = results[methods[0]]["tokens"]
     differ = {m: sum(r["tokens"][k] != first[k] for k in first) for m, r in results.items()}
     print(f"{len(questions)} questions x {len(ROUNDS)} rounds, {args.max_new_tokens} new tokens, {args.weights} "
-          f"weights, {cpu_model()}; tokens/s (tokens per step) per round, overall; requests unlike "
-          f"{methods[0]}'s")
+          f"weights, {cpu_model()}; per round tokens/s end to end / without the prefill (tokens per step); overall;"
+          f" requests unlike {methods[0]}'s")
     print("| method | " + " | ".join(ROUNDS) + " | overall | vs " + methods[0] + " | != |")
     print("|---" * (len(ROUNDS) + 4) + "|")
-    base = results[methods[0]]["total_tokens_per_s"]
+    base = results[methods[0]]
     for m, r in results.items():
-        cells = [f"{r['rounds'][x]['tokens_per_s']:.1f} ({r['rounds'][x]['mean_accepted_tokens']:.2f})" for x in ROUNDS]
-        print(f"| {m} | " + " | ".join(cells) + f" | {r['total_tokens_per_s']:.1f} | "
-              f"{r['total_tokens_per_s'] / base:.2f}x | {differ[m]} |")
+        cells = [f"{x['tokens_per_s']:.1f} / {x['decode_tokens_per_s']:.1f} ({x['mean_accepted_tokens']:.2f})"
+                 for x in (r["rounds"][name] for name in ROUNDS)]
+        ratio = (r["total_tokens_per_s"] / base["total_tokens_per_s"],
+                 r["total_decode_tokens_per_s"] / base["total_decode_tokens_per_s"])
+        print(f"| {m} | " + " | ".join(cells) + f" | {r['total_tokens_per_s']:.1f} / "
+              f"{r['total_decode_tokens_per_s']:.1f} | {ratio[0]:.2f}x / {ratio[1]:.2f}x | {differ[m]} |")
     for m, r in results.items():
         if r["suffix_tree"]:
             print(f"{m}: global suffix tree {json.dumps(r['suffix_tree'])}")

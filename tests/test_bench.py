@@ -3,7 +3,7 @@ import json
 
 from casspec.tools.bench import BASELINE, format_table, parse_methods, run_bench
 
-from casspec.calibrate.questions import read_questions
+from casspec.calibrate.questions import Question, read_questions
 from tiny import tiny_engine
 
 
@@ -133,3 +133,29 @@ def test_each_question_starts_a_new_conversation():
         a = run_question(engine, make_runner(engine, method), q, 8, None)
         first, second = a.stats
         assert first["reused_tokens"] == 0 and second["reused_tokens"] > 0
+
+
+def test_bench_reports_draft_tokens_per_source_and_each_pass_starts_without_memory(tmp_path):
+    """dytc with the suffix and recycle sources: the summary and the printed table give each source's drafted,
+    tested and accepted tokens; every method remembers only its own earlier questions, and a repeat pass starts with
+    no memory (a repeat never finds its own answer in the suffix tree, so its tokens per step are the first pass's)."""
+    qs = [Question(i, "qa", [f"w{5 + i} w6 w7 w5 w6 w7 w5"]) for i in range(3)]
+    engine = tiny_engine("llama", 0)
+    seen = []
+    real = engine.shared.forget
+
+    def forget(tenant=None):
+        seen.append(sorted(engine.shared.clients))
+        real(tenant)
+
+    engine.shared.forget = forget
+    methods = [BASELINE, "dytc~maxgram+free"]
+    summary = run_bench(engine, qs, methods, 16, tmp_path / "out", "float32", repeats=2, progress=False)
+    pol = summary["methods"]["dytc~maxgram+free"]["policy"]
+    assert sum(pol["drafted_by_source"].values()) > 0
+    assert set(pol["tested_by_source"]) <= set(pol["drafted_by_source"])
+    assert all(pol["accepted_by_source"][s] <= n for s, n in pol["tested_by_source"].items())
+    table = format_table(summary)
+    assert "drafted/tested/accepted" in table and "dytc~maxgram+free:" in table
+    assert seen[0] == ["bench dytc~maxgram+free"] and seen[1] == ["bench dytc~maxgram+free"]  # (warm-up; pass 1)
+    assert len(seen) == 2

@@ -19,7 +19,7 @@ from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 from dytc.shared import SharedDrafts, new_lookup
 from dytc.sources import BOTTOMS, FREE
-from dytc.suffix import SUFFIX_MIN_PROB, SuffixIndex, SuffixLookup
+from dytc.suffix import KEY, SUFFIX_MIN_PROB, SuffixIndex, SuffixLookup
 from dytc.verify import Noise
 from tiny import tiny_engine
 
@@ -43,13 +43,22 @@ def substring_counts(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...],
 
 
 def tree_counts(index: SuffixIndex) -> dict[tuple[int, ...], int]:
-    out, todo = {}, [(0, ())]
-    while todo:
-        v, s = todo.pop()
-        for t, c in index.children[v].items():
-            out[s + (t,)] = index.count[c]
-            todo.append((c, s + (t,)))
-    return out
+    """Each node's string and count, read from the tree's edges; and (checked on the way) each node's most frequent
+    child is one of the children with the highest count."""
+    parent = {c: (key // KEY, key % KEY) for key, c in index.edges.items()}
+
+    def string(c: int) -> tuple[int, ...]:
+        return () if c == 0 else string(parent[c][0]) + (parent[c][1],)
+
+    children: dict[int, list[int]] = {}
+    for c, (v, _) in parent.items():
+        children.setdefault(v, []).append(c)
+    for v in range(len(index.count)):
+        kids = children.get(v, [])
+        assert index.kids[v] == len(kids) or v in index.free
+        if kids:
+            assert index.count[index.top[v]] == max(index.count[c] for c in kids) and index.top[v] in kids
+    return {string(c): index.count[c] for c in parent}
 
 
 @settings(max_examples=40, deadline=None)
@@ -101,17 +110,24 @@ def test_the_suffix_source_cuts_rare_continuations():
     assert SuffixLookup(text, index).propose_after([5], 4) == ([], 0)  # ("2 5" never continues)
 
 
-def test_the_global_tree_drafts_an_earlier_generations_text():
+def test_the_clients_tree_drafts_an_earlier_generations_text():
     index = SuffixIndex()
-    earlier = SuffixLookup([40, 41, 42])
-    earlier.global_index = index
+    earlier = SuffixLookup([40, 41, 42], index)
     earlier.extend([10, 11, 12, 13, 14, 15])
     earlier.finish()
-    assert index.stats()["sequences"] == 1 and index.stats()["tokens"] == 9
+    assert index.stats()["sequences"] == 1 and index.stats()["tokens"] == 9 and not index.open
     now = SuffixLookup([40, 41, 42, 10, 11], index)
     assert now.propose_after([], 4) == ([12, 13, 14, 15], 5)
-    alone = SuffixLookup([40, 41, 42, 10, 11])
-    assert alone.propose_after([], 4) == ([], 0)
+    assert SuffixLookup([40, 41, 42, 10, 11]).propose_after([], 4) == ([], 0)  # (its own tree alone)
+
+
+def test_a_growing_sequence_is_never_evicted():
+    index = SuffixIndex(4, max_nodes=10)
+    old = SuffixLookup([1, 2, 3], index)
+    old.finish()
+    now = SuffixLookup(list(range(20, 40)), index)  # (far past the budget: only the closed sequence can go)
+    assert list(index.sequences) == [now.seq] and index.evicted == 1
+    assert now.propose_after([], 3) == ([], 0)  # (nothing repeats in it)
 
 
 # ------------------------------------------------------------------------------------------------ recycling
@@ -219,3 +235,20 @@ def test_one_clients_text_never_drafts_for_another(engine):
     assert mine.propose_after([], 8)[0] == answer[1:9]
     assert theirs.propose_after([], 8) == ([], 0) or theirs.propose_after([], 8)[0] != answer[1:9]
     assert new_lookup("recycle", asked_again, (), engine.shared.memory("bob")).propose_after([], 4) == ([], 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 4), max_size=30), max_size=3),
+       text=st.lists(st.integers(0, 4), max_size=30), extra=st.lists(st.integers(0, 4), max_size=8),
+       depth=st.integers(3, 8), max_len=st.integers(1, 10))
+def test_matching_from_the_open_suffixes_equals_matching_the_whole_text(seqs, text, extra, depth, max_len):
+    index = SuffixIndex(depth)
+    for s in seqs:
+        seq = index.new_sequence()
+        index.append(seq, s)
+        index.close(seq)
+    seq = index.new_sequence()
+    index.append(seq, text)
+    want = index.match(text + extra, max_len)
+    got = index.match_after(seq, extra, max_len)
+    assert got[1] == want[1] and (want[1] == 0 or got[0] == want[0])

@@ -293,7 +293,8 @@ def _engine_stats(ans: list[Answer]) -> dict:
                 accepted[src] = accepted.get(src, 0) + n * r["acceptance_by_source"][src]
             for src, n in r["drafted_by_source"].items():
                 drafted[src] = drafted.get(src, 0) + n
-        pol["drafted_by_source"] = drafted
+        pol.update(drafted_by_source=drafted, tested_by_source=tested,
+                   accepted_by_source={s: round(k) for s, k in accepted.items()})
         pol["acceptance_by_source"] = {s: round(accepted[s] / n, 4) for s, n in tested.items() if n}
         pol["first_estimate_origins"] = reports[0]["estimate_origins"]  # where the first turn started
         out["policy"] = pol
@@ -331,7 +332,19 @@ def format_table(summary: dict) -> str:
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     head = (f"model {summary['model']}, {summary['device']} ({machine_line(summary)}), {summary['dtype']}, "
             f"max_new_tokens {summary['max_new_tokens']}, baseline {summary['baseline']}")
-    return head + "\n" + "\n".join(lines)
+    return head + "\n" + "\n".join(lines) + format_sources(summary)
+
+
+def format_sources(summary: dict) -> str:
+    """Per dytc method, each source's draft tokens: drafted / tested (the parent accepted) / accepted."""
+    lines = []
+    for name, m in summary["methods"].items():
+        pol = m.get("policy") or {}
+        tested, accepted = pol.get("tested_by_source", {}), pol.get("accepted_by_source", {})
+        cells = [f"{s} {n}/{tested.get(s, 0)}/{accepted.get(s, 0)}"
+                 for s, n in sorted(pol.get("drafted_by_source", {}).items(), key=lambda x: -x[1])]
+        lines += [f"  {name}: " + ", ".join(cells)] if cells else []
+    return "\ndraft tokens per source, drafted/tested/accepted:\n" + "\n".join(lines) if lines else ""
 
 
 def run_bench(engine: Engine, questions: list[Question], methods: Sequence[str], max_new_tokens: int,

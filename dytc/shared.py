@@ -16,7 +16,7 @@ from typing import Collection, Sequence
 from .ngram import LOOKUP_CLASSES, Lookup
 from .recycle import Recycled, RecycleLookup
 from .sources import RECYCLE, SUFFIX
-from .suffix import SUFFIX_MAX_NODES, SuffixIndex, SuffixLookup
+from .suffix import SuffixConfig, SuffixIndex, SuffixLookup
 from .verify import Noise
 
 MAX_CLIENTS = 64  # clients whose memories are kept (the least recently used is dropped past this)
@@ -25,7 +25,7 @@ MAX_CLIENTS = 64  # clients whose memories are kept (the least recently used is 
 @dataclass
 class Memory:
     """One client's recycled candidates (at most a row per vocabulary token) and suffix tree."""
-    max_nodes: int = SUFFIX_MAX_NODES  # the suffix tree's node budget
+    suffix: SuffixConfig = SuffixConfig()  # the suffix tree's shape, its node budget, its drafts' cut
     recycled: dict[str, Recycled] = field(default_factory=dict)  # "greedy" | "sampling" -> table (a sampled row's
     # log-probabilities are the target's own, but kept apart so that a mode's drafts learn from its own steps)
     suffixes: SuffixIndex | None = None
@@ -38,7 +38,7 @@ class Memory:
 
     def suffix_index(self) -> SuffixIndex:
         if self.suffixes is None:
-            self.suffixes = SuffixIndex(max_nodes=self.max_nodes)
+            self.suffixes = SuffixIndex(self.suffix.depth, self.suffix.max_nodes)
         return self.suffixes
 
     def stats(self) -> dict:
@@ -50,14 +50,14 @@ class Memory:
 @dataclass
 class SharedDrafts:
     """Every client's Memory, the most recently used MAX_CLIENTS."""
-    max_nodes: int = SUFFIX_MAX_NODES
+    suffix: SuffixConfig = SuffixConfig()  # every client's suffix tree's
     max_clients: int = MAX_CLIENTS
     clients: OrderedDict[str, Memory] = field(default_factory=OrderedDict)
 
     def memory(self, tenant: str) -> Memory:
         mem = self.clients.get(tenant)
         if mem is None:
-            mem = self.clients[tenant] = Memory(self.max_nodes)
+            mem = self.clients[tenant] = Memory(self.suffix)
             while len(self.clients) > self.max_clients:
                 self.clients.popitem(last=False)
         self.clients.move_to_end(tenant)
@@ -79,6 +79,8 @@ def new_lookup(name: str, tokens: Sequence[int], eos_ids: Collection[int], memor
         table = memory.table(noise is None) if memory is not None else Recycled()
         return RecycleLookup(tokens, table, eos_ids, noise, temperature)
     if name == SUFFIX:
-        return SuffixLookup(tokens, memory.suffix_index() if memory is not None else None, eos_ids)
+        if memory is None:
+            return SuffixLookup(tokens, None, eos_ids)
+        return SuffixLookup(tokens, memory.suffix_index(), eos_ids, memory.suffix)
     return LOOKUP_CLASSES[name](tokens, eos_ids=eos_ids)
 

@@ -5,14 +5,14 @@ a count per node: how many times that token string occurs, and the node's most f
 last). Appending a token extends the sequence's open suffixes (lengths 1 .. depth - 1) by one node each: O(depth)
 per token, with no object per node (one dict of edges for the whole tree, plain lists per node). It holds several
 sequences and a node budget: past it, the oldest closed sequences are evicted (their suffixes' counts taken back,
-nodes at 0 freed), so its memory is bounded (`SUFFIX_MAX_NODES`; `stats` reports nodes, sequences, tokens,
+nodes at 0 freed), so its memory is bounded (`SuffixConfig.max_nodes`; `stats` reports nodes, sequences, tokens,
 evictions; `nbytes` its objects' bytes).
 
 `SuffixLookup` drafts from the client's index (dytc/shared.py: one per client; without one, a generation's own):
 the generation's prompt and output are a sequence of it from the start (the per-generation tree, indexed once), and
 its earlier generations' sequences are there too (the global tree). It finds the longest suffix of history + extra
-(at most `SUFFIX_MAX_MATCH` tokens) that occurs with a continuation and follows the most frequent child while its
-frequency given its parent (count(child) / count(node)) stays at or above `SUFFIX_MIN_PROB`: the paper's
+(at most `max_match` tokens) that occurs with a continuation and follows the most frequent child while its
+frequency given its parent (count(child) / count(node)) stays at or above `min_prob`: the paper's
 frequency-scored tree, its greedy path (the router adds other sources' branches and values the path by its own
 estimates). Where the walk reaches the depth limit it matches again on the extended text. Its belief is the match
 length, as for the other lookups.
@@ -21,22 +21,27 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from .sources import SUFFIX
 
-SUFFIX_DEPTH = 24  # tokens kept per suffix (match + continuation before matching again)
-SUFFIX_MAX_MATCH = 12  # longest suffix of the text matched
-SUFFIX_MIN_PROB = 0.1  # a path stops before a child seen this rarely after its parent
-SUFFIX_MAX_NODES = 2_000_000  # a client's node budget (about 110 B a node: ~0.2 GB), past which its oldest
-# sequences are evicted
 KEY = 1 << 32  # an edge's key: parent * KEY + token (token ids < 2**32)
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    depth: int = 24  # tokens kept per suffix (match + continuation before matching again)
+    max_match: int = 12  # longest suffix of the text matched (below depth)
+    min_prob: float = 0.1  # a path stops before a child seen this rarely after its parent
+    max_nodes: int = 2_000_000  # a client's node budget (about 110 B a node: ~0.2 GB), past which its oldest
+    # sequences are evicted
 
 
 class SuffixIndex:
     """Depth-limited suffix tree with counts over one or more token sequences (see the module docstring)."""
 
-    def __init__(self, depth: int = SUFFIX_DEPTH, max_nodes: int | None = None) -> None:
+    def __init__(self, depth: int = SuffixConfig.depth, max_nodes: int | None = None) -> None:
         assert depth >= 2
         self.depth, self.max_nodes = depth, max_nodes
         self.edges: dict[int, int] = {}  # parent * KEY + token -> child (node 0: the root)
@@ -113,7 +118,7 @@ class SuffixIndex:
         return {"nodes": self.nodes, "sequences": len(self.sequences), "tokens": self.tokens,
                 "evicted": self.evicted, "max_nodes": self.max_nodes}
 
-    def match(self, text: Sequence[int], max_len: int = SUFFIX_MAX_MATCH) -> tuple[int, int]:
+    def match(self, text: Sequence[int], max_len: int) -> tuple[int, int]:
         """(node, length): the longest suffix of text (at most max_len tokens) that occurs with a continuation;
         (0, 0) when none does."""
         edges, top, L = self.edges, self.top, len(text)
@@ -127,7 +132,7 @@ class SuffixIndex:
                 return v, m
         return 0, 0
 
-    def match_after(self, seq: int, extra: Sequence[int], max_len: int = SUFFIX_MAX_MATCH) -> tuple[int, int]:
+    def match_after(self, seq: int, extra: Sequence[int], max_len: int) -> tuple[int, int]:
         """`match` of the open sequence seq's text + extra, from its open suffixes (the history's part is not walked
         again: a step's proposals cost a few look-ups each)."""
         edges, top, active, E = self.edges, self.top, self.open[seq], len(extra)
@@ -212,8 +217,10 @@ class SuffixLookup:
 
     name = SUFFIX
 
-    def __init__(self, tokens: Sequence[int], index: SuffixIndex | None = None, eos_ids: Collection[int] = ()) -> None:
-        self.index = index if index is not None else SuffixIndex()  # (None: a tree of this generation's own)
+    def __init__(self, tokens: Sequence[int], index: SuffixIndex | None = None, eos_ids: Collection[int] = (),
+                 cfg: SuffixConfig = SuffixConfig()) -> None:
+        self.cfg = cfg
+        self.index = index if index is not None else SuffixIndex(cfg.depth)  # (None: this generation's own tree)
         self.seq = self.index.new_sequence()
         self.tokens: list[int] = []
         self.eos_ids = frozenset(eos_ids)
@@ -225,11 +232,11 @@ class SuffixLookup:
 
     def propose_after(self, extra: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens continuing history + extra, and the match length behind the first (0: none)."""
-        index, text = self.index, self.tokens[-SUFFIX_MAX_MATCH:] + list(extra)
+        index, most, text = self.index, self.cfg.max_match, self.tokens[-self.cfg.max_match:] + list(extra)
         out: list[int] = []
         first = 0
         while len(out) < k:
-            v, m = index.match(text) if out else index.match_after(self.seq, extra)
+            v, m = index.match(text, most) if out else index.match_after(self.seq, extra, most)
             if m == 0:
                 break
             first = first or m
@@ -237,7 +244,7 @@ class SuffixLookup:
                 tok, child, prob = index.best_child(v)
                 if tok < 0:  # the depth limit: match again on the extended text
                     break
-                if prob < SUFFIX_MIN_PROB or tok in self.eos_ids:
+                if prob < self.cfg.min_prob or tok in self.eos_ids:
                     return out, first if out else 0
                 out.append(tok)
                 text.append(tok)

@@ -1,16 +1,21 @@
 """A repeated workload: what the global suffix tree (dytc/suffix.py) is for, measured against dytc without it.
 
     python scripts/repeated_workload.py --questions ../shared/specbench/dev.jsonl [--per-category 2]
-        [--max-new-tokens 128] [--methods dytc,dytc~maxgram+suffix] [--model M] [--weights native]
-        [--suffix-max-nodes N] [--out repeated.json]
+        [--max-new-tokens 128] [--methods dytc,dytc~maxgram+suffix] [--order question|rounds] [--model M]
+        [--weights native]
+        [--suffix-depth 24] [--suffix-max-match 12] [--suffix-min-prob 0.1] [--suffix-max-nodes N]
+        [--out repeated.json]
 
-Every method (in turn, on one engine, each as its own client with an empty memory) runs three rounds over the
-questions: (1) each question's first turn, a new conversation; (2) a follow-up in that conversation asking to revise
-the answer (`FOLLOW_UP`); (3) each question again, a new conversation. Greedy. Reported per method and round:
-tokens/s (new tokens over wall time, prefill included), the mean accepted tokens per step, and per source the
-tokens drafted and accepted; at the end the client's global suffix tree: nodes, sequences, tokens, evictions and
-its Python objects' bytes (sys.getsizeof over the tree), against its node budget. Every method's tokens must equal
-the first method's (the tokens of a greedy lossless method; a mismatch is reported and the exit status is 1).
+Every method (in turn, on one engine, each as its own client with an empty memory) sends three requests per
+question: (1) its first turn, a new conversation; (2) a follow-up in that conversation asking to revise the answer
+(`FOLLOW_UP`); (3) the question again, a new conversation. `--order question` (default) sends each question's three
+in a row, as one user would (the engine reuses the KV of a prompt's cached prefix, as `casspec serve` does);
+`--order rounds` sends every question's first, then every follow-up, then every question again, each prefilled
+whole. Greedy. Reported per method and round: tokens/s (new tokens over wall time, prefill included, and without the
+prefill), the mean tokens per step, and per source the tokens drafted and accepted; at the end the client's global
+suffix tree: nodes, sequences, tokens, evictions and its Python objects' bytes (sys.getsizeof over the tree),
+against its node budget. Every method's tokens must equal the first method's (the tokens of a greedy lossless
+method; a mismatch is reported and the exit status is 1).
 """
 from __future__ import annotations
 
@@ -25,55 +30,56 @@ from casspec.runtime.engine import Engine
 from casspec.tools.bench import method_request
 from dytc.machine import cpu_model
 from dytc.shared import SharedDrafts
-from dytc.suffix import SUFFIX_MAX_NODES
+from dytc.suffix import SuffixConfig
 
 FOLLOW_UP = "Please revise your answer: keep what is right, fix what is wrong, and make it clearer."
 ROUNDS = ("first", "revise", "again")
 
 
-def run_method(engine: Engine, method: str, questions: list, max_new_tokens: int) -> dict:
-    """The three rounds of one method, as one client; its tokens and statistics per round."""
+def run_method(engine: Engine, method: str, questions: list, max_new_tokens: int, order: str) -> dict:
+    """The three requests per question of one method, as one client; its tokens and statistics per round."""
     tenant = f"repeated {method}"
     engine.shared.forget(tenant)
-    out: dict = {"rounds": {}, "tokens": {}}
+    rounds = {r: {"new_tokens": 0, "seconds": 0.0, "prefill_seconds": 0.0, "steps": 0, "accepted": 0,
+                  "reused_tokens": 0, "drafted_by_source": {}, "accepted_by_source": {}} for r in ROUNDS}
+    jobs = [(r, q) for q in questions for r in ROUNDS] if order == "question" else \
+        [(r, q) for r in ROUNDS for q in questions]
+    tokens: dict[str, list[int]] = {}
     answers: dict[str, str] = {}
-    for rnd in ROUNDS:
-        new = wall = steps = accepted = prefill = 0.0
-        drafted_by: dict[str, int] = {}
-        accepted_by: dict[str, int] = {}
-        for q in questions:
-            messages = [{"role": "user", "content": q.turns[0]}]
-            if rnd == "revise":
-                messages += [{"role": "assistant", "content": answers[q.question_id]},
-                             {"role": "user", "content": FOLLOW_UP}]
-            engine.forget_prefix()  # (each request prefills its whole prompt, as a new server connection would)
-            req = method_request(method, max_new_tokens=max_new_tokens, tenant=tenant)
-            t0 = time.perf_counter()
-            res = engine.generate_ids(engine.encode(messages), req)
-            wall += time.perf_counter() - t0
-            if rnd == "first":
-                answers[q.question_id] = res.text
-            out["tokens"][f"{rnd} {q.question_id}"] = res.token_ids
-            spec = res.stats.speculative()
-            new += len(res.token_ids)
-            prefill += res.stats.prefill_seconds
-            steps += spec["num_drafts"]
-            accepted += spec["num_accepted_tokens"]
-            for s, n in res.stats.policy.get("drafted_by_source", {}).items():
-                drafted_by[s] = drafted_by.get(s, 0) + n
-            for s, n in res.stats.policy.get("accepted_by_source", {}).items():
-                accepted_by[s] = accepted_by.get(s, 0) + n
-        out["rounds"][rnd] = {"tokens_per_s": new / wall, "new_tokens": new, "seconds": wall,
-                              "decode_tokens_per_s": new / (wall - prefill), "prefill_seconds": prefill,
-                              "mean_accepted_tokens": (steps + accepted) / max(steps, 1),  # (tokens per step)
-                              "drafted_by_source": drafted_by, "accepted_by_source": accepted_by}
+    for rnd, q in jobs:
+        messages = [{"role": "user", "content": q.turns[0]}]
+        if rnd == "revise":
+            messages += [{"role": "assistant", "content": answers[q.question_id]},
+                         {"role": "user", "content": FOLLOW_UP}]
+        if order == "rounds" or rnd == "first":  # (a question's requests in a row reuse the cached prefix, as a
+            engine.forget_prefix()  # server's would; by rounds, each prefills its whole prompt)
+        t0 = time.perf_counter()
+        res = engine.generate_ids(engine.encode(messages), method_request(method, max_new_tokens=max_new_tokens,
+                                                                           tenant=tenant))
+        r, st = rounds[rnd], res.stats
+        r["seconds"] += time.perf_counter() - t0
+        if rnd == "first":
+            answers[q.question_id] = res.text
+        tokens[f"{rnd} {q.question_id}"] = res.token_ids
+        spec = st.speculative()
+        r["new_tokens"] += len(res.token_ids)
+        r["prefill_seconds"] += st.prefill_seconds
+        r["reused_tokens"] += st.reused_tokens
+        r["steps"] += spec["num_drafts"]
+        r["accepted"] += spec["num_accepted_tokens"]
+        for key in ("drafted_by_source", "accepted_by_source"):
+            for s, n in st.policy.get(key, {}).items():
+                r[key][s] = r[key].get(s, 0) + n
+    for r in rounds.values():
+        r["tokens_per_s"] = r["new_tokens"] / r["seconds"]
+        r["decode_tokens_per_s"] = r["new_tokens"] / (r["seconds"] - r["prefill_seconds"])
+        r["mean_accepted_tokens"] = (r["steps"] + r["accepted"]) / max(r["steps"], 1)  # (tokens per step)
     mem = engine.shared.memory(tenant)
-    out["suffix_tree"] = dict(mem.suffixes.stats(), bytes=mem.suffixes.nbytes()) if mem.suffixes else None
-    rounds = out["rounds"].values()
-    new = sum(r["new_tokens"] for r in rounds)
-    out["total_tokens_per_s"] = new / sum(r["seconds"] for r in rounds)
-    out["total_decode_tokens_per_s"] = new / sum(r["seconds"] - r["prefill_seconds"] for r in rounds)
-    return out
+    new = sum(r["new_tokens"] for r in rounds.values())
+    return {"rounds": rounds, "tokens": tokens,
+            "suffix_tree": dict(mem.suffixes.stats(), bytes=mem.suffixes.nbytes()) if mem.suffixes else None,
+            "total_tokens_per_s": new / sum(r["seconds"] for r in rounds.values()),
+            "total_decode_tokens_per_s": new / sum(r["seconds"] - r["prefill_seconds"] for r in rounds.values())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,19 +88,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="dytc,dytc~maxgram+suffix")
+    p.add_argument("--order", default="question", choices=["question", "rounds"], help="question: each question's "
+                   "three requests in a row (the cached prefix reused between them); rounds: every question's first "
+                   "turn, then every follow-up, then every question again (each prefilled whole)")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--weights", default="float", choices=["float", "native"])
-    p.add_argument("--suffix-max-nodes", type=int, default=SUFFIX_MAX_NODES, help="each client's suffix tree budget")
+    for name, value in vars(SuffixConfig()).items():  # (dytc.suffix.SuffixConfig's fields)
+        p.add_argument(f"--suffix-{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--out", default="repeated.json")
     args = p.parse_args(argv)
     questions = read_questions(args.questions, per_category=args.per_category)
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, weights=args.weights)
-    engine.shared = SharedDrafts(max_nodes=args.suffix_max_nodes)
+    engine.shared = SharedDrafts(SuffixConfig(**{k: getattr(args, f"suffix_{k}") for k in vars(SuffixConfig())}))
     methods = args.methods.split(",")
     engine.generate_ids(engine.encode([{"role": "user", "content": questions[0].turns[0]}]),
                         method_request(methods[0], max_new_tokens=args.max_new_tokens, tenant="warm-up"))
-    results = {m: run_method(engine, m, questions, args.max_new_tokens) for m in methods}
+    results = {m: run_method(engine, m, questions, args.max_new_tokens, args.order) for m in methods}
     first = results[methods[0]]["tokens"]
     differ = {m: sum(r["tokens"][k] != first[k] for k in first) for m, r in results.items()}
     print(f"{len(questions)} questions x {len(ROUNDS)} rounds, {args.max_new_tokens} new tokens, {args.weights} "

@@ -26,6 +26,7 @@ def test_default_rows_cover_the_ablation():
     assert "sd:exit4" in rows and "tree:int4" in rows and "sd:nf4" in rows  # exit after 80% of the 5 layers
     assert {"dytc:int4", "dytc:int4+vocab", "dytc~none", "dytc~const", "dytc~nofallback"} <= set(rows)
     assert {"vc~pld", "vc~both", "dytc~pld", "dytc~both"} <= set(rows)  # the bottoms other than the default
+    assert {"dytc~maxgram+free", "dytc~recycle:none", "dytc~suffix:none", "dytc~maxgram:none"} <= set(rows)
 
 
 def test_ablation_writes_results_resumes_and_fills_the_readme(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from dytc.router import RouterConfig
 from dytc.sampling import SamplingParams
 from dytc.shared import SharedDrafts, new_lookup
 from dytc.sources import BOTTOMS, FREE
-from dytc.suffix import KEY, SUFFIX_MIN_PROB, SuffixIndex, SuffixLookup
+from dytc.suffix import KEY, SuffixConfig, SuffixIndex, SuffixLookup
 from dytc.verify import Noise
 from tiny import tiny_engine
 
@@ -101,8 +101,8 @@ def test_the_suffix_source_copies_the_most_frequent_continuation():
 
 def test_the_suffix_source_cuts_rare_continuations():
     text = [1, 2]
-    seqs = [[1, 2, i] for i in range(20)]  # after "1 2" each of 20 tokens once: 1/20 < SUFFIX_MIN_PROB
-    assert 1 / 20 < SUFFIX_MIN_PROB
+    seqs = [[1, 2, i] for i in range(20)]  # after "1 2" each of 20 tokens once: 1/20 < the cut
+    assert 1 / 20 < SuffixConfig().min_prob
     index = SuffixIndex()
     for s in seqs:
         index.append(index.new_sequence(), s)

@@ -1,12 +1,13 @@
 """`casspec ablate`: CAS-Spec's ablation structure on this machine, as one resumable run.
 
-Rows (bench method specs, see bench.method_request): the HF baseline, ar, pld, each single level alone as `sd`
-and as `tree`, the cascades (vc, hc, vc+hc, tree+vc), dytc, dytc with each of its sources left out in turn, dytc with
-constant costs instead of the latency predictor (`dytc~const`), dytc without its AR fallback (`dytc~nofallback`),
-and vc and dytc over the other statistical bottoms (`vc~pld`, `vc~both`, `dytc~pld`, `dytc~both`). Every
-row answers every question (all turns, greedy); its answers and stats go to OUT/rows/ROW.json as soon as it
-finishes, and a rerun skips the rows already there (so the ratios of a resumed run mix two sessions:
-`results.json` records when each row ran). Then OUT gets results.md (the table), results.json
+Rows (bench method specs, see bench.method_request): the HF baseline, ar, pld, each single level alone as `sd` and
+as `tree`, the cascades (vc, hc, vc+hc, tree+vc), dytc, dytc with each of its sources left out in turn, dytc with
+constant costs instead of the latency predictor (`dytc~const`), dytc without its AR fallback (`dytc~nofallback`), vc
+and dytc over the other statistical bottoms (`vc~pld`, `vc~both`, `dytc~pld`, `dytc~both`, and for dytc those with
+the recycle and suffix sources: `dytc~maxgram+free`, ...), and each zero-cost source alone under the router
+(`dytc~recycle:none`: no level). Every row answers every question (all turns, greedy); its answers and stats go to
+OUT/rows/ROW.json as soon as it finishes, and a rerun skips the rows already there (so the ratios of a resumed run
+mix two sessions: `results.json` records when each row ran). Then OUT gets results.md (the table), results.json
 (the summary behind it) and the plots:
   speedup_by_category.png    speedup over hf-ar per method and question category;
   acceptance_by_depth.png    fraction of steps whose accepted path reached each depth, per level (sd and tree);
@@ -32,7 +33,7 @@ from tqdm import tqdm
 
 from dsia.errors import CasspecError
 from dytc.sampling import SamplingParams
-from dytc.sources import BOTTOMS, DEFAULT_BOTTOM, LOOKUPS
+from dytc.sources import BOTTOMS, DEFAULT_BOTTOM, FREE, LOOKUPS
 
 from .bench import (BASELINE, SAMPLING_SEED, machine_line, make_runner, method_request, run_question, summarize,
                     writable_folder)
@@ -76,7 +77,9 @@ def default_rows(engine: Engine, cfg: AblateConfig = AblateConfig()) -> list[str
     rows += ["dytc:" + "/".join(n for n in dytc if n != left) for left in dytc if len(dytc) > 1]
     rows += ["dytc~none", "dytc~const", "dytc~nofallback"]  # no statistical bottom, constant costs, no AR fallback
     others = [b for b in BOTTOMS if b not in (DEFAULT_BOTTOM, "none")]
-    return rows + [f"{m}~{bottom}" for m in ("vc", "dytc") for bottom in others]
+    rows += [f"vc~{b}" for b in others if not set(BOTTOMS[b]) & set(FREE)]  # (vc: the lookups over the history)
+    rows += [f"dytc~{b}" for b in others]
+    return rows + [f"dytc~{name}:none" for name in LOOKUPS]  # each zero-cost source alone (routed, no level)
 
 
 def _file_name(row: str) -> str:

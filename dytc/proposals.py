@@ -1,5 +1,5 @@
 """The zero-cost sources of one generation as the DyTC router asks them (dytc/router.py): each lookup's proposal
-after the history + a tree path, the recycled branch at an inner node, which lookups' last root proposals held
+after the history + a tree path, the recycled branch at the root, which lookups' last root proposals held
 (`sources.HELD`), their CPU time, and what a verification leaves them (the history, the recycled candidates).
 """
 from __future__ import annotations

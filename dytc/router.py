@@ -225,10 +225,10 @@ class DyTC(Policy):
                 considered = True
                 if only is None or act.source == only:
                     best = act if best is None or act.rate > best.rate else best
-            if only is None and (not has_child[n] or RECYCLE in self.lookups):
-                if has_child[n] and node.branch_for != len(children[n]):  # the recycled tree's next branch here
-                    # (its best successor not drafted yet; asked again once a child was added)
-                    node.branch = self.lookups.branch([tree.tokens[i] for i in tree.path_to(n)[1:]], children[n])
+            if only is None and (not has_child[n] or n == 0 and RECYCLE in self.lookups):
+                if has_child[n] and node.branch_for != len(children[n]):  # the recycled tree's next branch at the
+                    # root (its best successor not drafted yet; asked again once a child was added)
+                    node.branch = self.lookups.branch([], children[n])
                     node.branch_for = len(children[n])
                 for act in self._lookup_actions(step, expected, n, n_max, max_depth, has_child[n]):
                     considered = True
@@ -297,7 +297,7 @@ class DyTC(Policy):
 
     def _lookup_actions(self, step: Step, expected: float, n: int, n_max: int, max_depth: int,
                         inner: bool = False) -> Iterator[Action]:
-        """Each lookup's proposal at leaf n attached k tokens deep (inner: the recycled branch at inner node n): no
+        """Each lookup's proposal at leaf n attached k tokens deep (inner: the recycled branch at the root): no
         forward, only a larger verification."""
         node, N = step.nodes[n], len(step.tree)
         proposals = ({RECYCLE: node.branch} if node.branch else {}) if inner else node.proposals or {}

@@ -45,8 +45,8 @@ class Node:
     dists: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)  # level -> its top tokens/probs
     proposals: dict[str, tuple[list[int], int]] | None = None  # lookup -> (tokens after this node, match length);
     # None: not asked yet
-    branch: tuple[list[int], int] | None = None  # the recycled proposal whose first token is not a child yet (inner
-    # nodes; asked again when children were added)
+    branch: tuple[list[int], int] | None = None  # the recycled proposal whose first token is not a child yet (the
+    # root; asked again when children were added)
     branch_for: int = -1  # the number of children `branch` was asked with
 
 
@@ -58,7 +58,7 @@ class Action:
     k: int  # tokens of the segment valued
     review: int = 0  # level actions: lookup tokens its first forward reviews (vertical cascade)
     reviewed: str = ""  # the lookup whose proposal it reviews
-    branch: bool = False  # a lookup action at an inner node: its branch proposal (Node.branch), not its proposals
+    branch: bool = False  # a lookup action at the root with children: its branch proposal (Node.branch)
 
 
 @dataclass

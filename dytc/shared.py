@@ -20,6 +20,8 @@ from .suffix import SuffixConfig, SuffixIndex, SuffixLookup
 from .verify import Noise
 
 MAX_CLIENTS = 64  # clients whose memories are kept (the least recently used is dropped past this)
+MAX_BYTES = 512 << 20  # the memories' bytes in all, past which the least recently used clients' are dropped (a client
+# chooses its OpenAI `user`: without a total, 64 clients' suffix trees could hold 64 x 0.2 GB)
 
 
 @dataclass
@@ -41,6 +43,10 @@ class Memory:
             self.suffixes = SuffixIndex(self.suffix.depth, self.suffix.max_nodes)
         return self.suffixes
 
+    def nbytes(self) -> int:
+        """About what it holds (its tables' rows and its tree's objects)."""
+        return sum(t.nbytes for t in self.recycled.values()) + (self.suffixes.nbytes() if self.suffixes else 0)
+
     def stats(self) -> dict:
         return {"recycled_rows": {m: len(t.rows) for m, t in self.recycled.items()},
                 "recycled_bytes": sum(t.nbytes for t in self.recycled.values()),
@@ -49,19 +55,24 @@ class Memory:
 
 @dataclass
 class SharedDrafts:
-    """Every client's Memory, the most recently used MAX_CLIENTS."""
+    """Every client's Memory: the most recently used, at most max_clients of them and max_bytes in all (checked as a
+    generation starts; the asking client's is kept)."""
     suffix: SuffixConfig = SuffixConfig()  # every client's suffix tree's
     max_clients: int = MAX_CLIENTS
+    max_bytes: int = MAX_BYTES
     clients: OrderedDict[str, Memory] = field(default_factory=OrderedDict)
 
     def memory(self, tenant: str) -> Memory:
         mem = self.clients.get(tenant)
         if mem is None:
             mem = self.clients[tenant] = Memory(self.suffix)
-            while len(self.clients) > self.max_clients:
-                self.clients.popitem(last=False)
         self.clients.move_to_end(tenant)
+        while len(self.clients) > 1 and (len(self.clients) > self.max_clients or self.nbytes() > self.max_bytes):
+            self.clients.popitem(last=False)
         return mem
+
+    def nbytes(self) -> int:
+        return sum(m.nbytes() for m in self.clients.values())
 
     def forget(self, tenant: str | None = None) -> None:
         """Drop one client's memory (None: every client's)."""

@@ -173,6 +173,23 @@ def test_each_client_has_its_own_memory_and_the_oldest_is_dropped():
     assert a.table(True).rows[4][0] == [5] and not a.table(False).rows
 
 
+def test_the_memories_total_is_bounded_and_the_asking_clients_is_kept():
+    one = SharedDrafts()
+    SuffixLookup(list(range(300)), one.memory("x").suffix_index()).finish()
+    size = one.nbytes()  # (a client's tree of 300 tokens)
+    shared = SharedDrafts(max_bytes=int(2.5 * size))
+    for name in ("a", "b", "c"):  # (each checked as its generation starts, then filled)
+        SuffixLookup(list(range(300)), shared.memory(name).suffix_index()).finish()
+    assert list(shared.clients) == ["a", "b", "c"] and shared.nbytes() == 3 * size
+    shared.memory("b")  # (the next generation's start: past the total, the least recently used goes)
+    assert list(shared.clients) == ["c", "b"] and shared.nbytes() == 2 * size
+    shared.memory("d")
+    assert list(shared.clients) == ["c", "b", "d"]
+    alone = SharedDrafts(max_bytes=1)
+    SuffixLookup(list(range(100)), alone.memory("x").suffix_index()).finish()
+    assert list(alone.clients) == ["x"] and alone.memory("x").suffixes.stats()["sequences"] == 1
+
+
 # ------------------------------------------------------------------------------------------------- lossless
 PROMPTS = st.lists(st.integers(3, 90), min_size=1, max_size=24)
 

@@ -33,7 +33,7 @@ from dsia.levels import Level, reads_kv_of
 
 from .ngram import Lookup
 from .policies import DraftContext, Policy, prune
-from .recycle import RECYCLE_K, RecycleLookup
+from .recycle import RECYCLE_K, learn
 from .sources import LOOKUPS, PLD, RECYCLE
 from .tree import DraftTree
 
@@ -154,9 +154,7 @@ class Cascade(Policy):
             lv.observe(ctx.model, ctx.cache, ctx.history, emitted)
         for lookup in self.lookups.values():
             lookup.extend(emitted)
-        recycle = self.lookups.get(RECYCLE)
-        if isinstance(recycle, RecycleLookup):
-            recycle.table.remember(not ctx.coupled, ctx.target_top)
+        learn(self.lookups, not ctx.coupled, ctx.target_top)
 
     def finish(self, ctx: DraftContext) -> None:
         for lookup in self.lookups.values():

@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,7 +37,9 @@ from dsia.topk import top_k_logsumexp
 from .latency import TARGET_LEVEL, LatencyModel
 from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, Lookup, PromptLookup
 from .sampling import SamplingParams, coupled_top, sample, warp
-from .shared import Memory, new_lookup
+from .recycle import TargetTop
+from .shared import SharedDrafts, new_lookup
+from .sources import FREE
 from .tree import DraftTree, ancestor_mask, position_ids
 from .verify import Noise
 
@@ -68,11 +69,11 @@ class DraftContext:
     load: Load | None = None  # a batched step's other generations (None: this one alone)
     forwards: list[tuple[str, int, bool]] | None = None  # every level forward (level, tokens, tree mask) when a
     # caller records them (the oracle replay); None: not recorded
-    memory: Memory | None = None  # the client's memory of earlier generations (recycled candidates, suffix tree);
-    # None: the recycle source is off, the suffix source uses the generation's own tree
-    target_top: tuple[list[int], np.ndarray, np.ndarray] | None = None  # the last verification's accepted path's
-    # tokens [P] (root first) and the target's top successors after each [P, k] with their log-probabilities [P, k],
-    # where the policy asks for them (Policy.target_top_k); None otherwise
+    shared: SharedDrafts | None = None  # what the recycle and suffix sources remember of earlier generations, per
+    # client: the memory of `tenant` is taken when one of them starts (None: each uses this generation's alone)
+    tenant: str = ""  # the request's client (Request.tenant)
+    target_top: TargetTop | None = None  # the last verification's accepted path's tokens (root first), the target's
+    # top successors after each and their log-probabilities, where the policy asks for them (Policy.target_top_k)
 
     @property
     def room(self) -> int:
@@ -119,7 +120,8 @@ class DraftContext:
 
     def lookup(self, name: str) -> Lookup:
         """A zero-cost source by name over this generation's history (dytc/shared.py)."""
-        return new_lookup(name, self.history, self.eos_ids, self.memory, self.noise if self.coupled else None,
+        memory = self.shared.memory(self.tenant) if self.shared is not None and name in FREE else None
+        return new_lookup(name, self.history, self.eos_ids, memory, self.noise if self.coupled else None,
                           self.sampling.temperature)
 
     def commit(self, emitted: list[int]) -> None:

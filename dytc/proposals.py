@@ -9,7 +9,7 @@ from typing import Callable, Collection, Iterator
 
 from .ngram import Lookup
 from .policies import DraftContext
-from .recycle import RecycleLookup
+from .recycle import RecycleLookup, learn
 from .sources import RECYCLE, held
 
 Proposal = tuple[list[int], int]  # (tokens, the lookup's belief in the first: a match length or a bucket)
@@ -56,9 +56,7 @@ class Lookups:
         self.held = held_now
         for lookup in self.by_name.values():
             lookup.extend(emitted)
-        recycle = self.by_name.get(RECYCLE)
-        if isinstance(recycle, RecycleLookup):
-            recycle.table.remember(not ctx.coupled, ctx.target_top, level_rows)
+        learn(self.by_name, not ctx.coupled, ctx.target_top, level_rows)
 
     def finish(self) -> None:
         for lookup in self.by_name.values():

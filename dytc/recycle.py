@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
-import numpy as np
 import torch
 
+from .ngram import Lookup
 from .sources import RECYCLE
 from .verify import Noise
 
@@ -39,6 +39,8 @@ RECYCLE_K = 8  # successors kept per token (the paper's matrix keeps 8)
 RECYCLE_MIN_PROB = 0.05  # a chain stops before a successor whose recycled probability is below this
 BELIEF_EDGES = (0.25, 0.5, 0.75)  # recycled probability -> belief 1 + bisect (levels' rows: 1)
 ORIGIN_NONE, ORIGIN_LEVEL, ORIGIN_TARGET = 0, 1, 2  # where a token's row came from
+TargetTop = tuple[list[int], list[list[int]], list[list[float]]]  # a verification's accepted tokens [P], the
+# target's top successors after each [P][k] and their log-probabilities [P][k] (DraftContext.target_top)
 
 
 class Recycled:
@@ -48,43 +50,42 @@ class Recycled:
     def __init__(self, k: int = RECYCLE_K) -> None:
         self.k = k
         self.rows: dict[int, tuple[list[int], list[float], int]] = {}
-        self.updates = 0  # rows written, all time
 
     @property
     def nbytes(self) -> int:
         """About what the rows hold: per row a dict entry, two lists of k and their numbers."""
         return len(self.rows) * (100 + self.k * 2 * (8 + 28))
 
-    def update(self, tokens: Sequence[int], top: np.ndarray, logp: np.ndarray, from_target: bool = True) -> None:
-        """Rows for `tokens` [N] from one forward: its top successors top [N, j] (best first; -1: none) and their
-        log-probabilities logp [N, j]; a level's rows (from_target False) only where the target gave none."""
+    def update(self, tokens: Sequence[int], top: Sequence[Sequence[int]], logp: Sequence[Sequence[float]],
+               from_target: bool = True) -> None:
+        """Rows for `tokens` [N] from one forward: their top successors top [N][j] (best first; -1: none) and the
+        log-probabilities logp [N][j]; a level's rows (from_target False) only where the target gave none."""
         origin = ORIGIN_TARGET if from_target else ORIGIN_LEVEL
-        j = min(self.k, top.shape[1])
-        top_rows, logp_rows = top[:, :j].tolist(), logp[:, :j].tolist()
-        for tok, nxt, lp in zip(tokens, top_rows, logp_rows):
+        for tok, nxt, lp in zip(tokens, top, logp):
             if not from_target and self.rows.get(tok, (None, None, ORIGIN_NONE))[2] == ORIGIN_TARGET:
                 continue
-            keep = [i for i, t in enumerate(nxt) if t >= 0]
-            self.rows[int(tok)] = ([nxt[i] for i in keep], [lp[i] for i in keep], origin)
-            self.updates += 1
+            keep = [i for i, t in enumerate(nxt[:self.k]) if t >= 0]
+            self.rows[int(tok)] = ([int(nxt[i]) for i in keep], [float(lp[i]) for i in keep], origin)
 
-
-    def remember(self, greedy: bool, target_top: tuple[list[int], np.ndarray, np.ndarray] | None,
+    def remember(self, greedy: bool, target_top: TargetTop | None,
                  level_rows: Sequence[tuple[int, list[int], list[float]]] = ()) -> None:
         """A verification's rows: the target's top successors after each accepted token (target_top: tokens [P],
-        top [P, k], log-probabilities [P, k]), and a draft level's top tokens at the nodes it ran (level_rows: (token,
-        its successors, their draft probabilities) each; greedy only: a coupled level's probabilities are of
-        perturbed scores), which fill only tokens the target has given no row."""
+        top [P][k], log-probabilities [P][k]), and a draft level's top tokens at the nodes it ran (level_rows:
+        (token, its successors, their draft probabilities) each; greedy only: a coupled level's probabilities are
+        of perturbed scores), which fill only tokens the target has given no row."""
         if greedy and level_rows:
-            width = max(len(r[1]) for r in level_rows)
-            top = np.full((len(level_rows), width), -1, dtype=np.int64)
-            logp = np.full((len(level_rows), width), -np.inf, dtype=np.float64)
-            for i, (_, toks, probs) in enumerate(level_rows):
-                top[i, :len(toks)] = toks
-                logp[i, :len(probs)] = np.log(np.maximum(probs, 1e-30))
-            self.update([r[0] for r in level_rows], top, logp, from_target=False)
+            self.update([r[0] for r in level_rows], [r[1] for r in level_rows],
+                        [[math.log(max(p, 1e-30)) for p in r[2]] for r in level_rows], from_target=False)
         if target_top is not None:
             self.update(*target_top)
+
+
+def learn(lookups: Mapping[str, Lookup], greedy: bool, target_top: TargetTop | None,
+          level_rows: Sequence[tuple[int, list[int], list[float]]] = ()) -> None:
+    """Where a policy's lookups hold the recycle source: a verification's rows into its table (Recycled.remember)."""
+    recycle = lookups.get(RECYCLE)
+    if isinstance(recycle, RecycleLookup):
+        recycle.table.remember(greedy, target_top, level_rows)
 
 
 class RecycleLookup:
@@ -103,7 +104,7 @@ class RecycleLookup:
         self.tokens.extend(int(t) for t in tokens)
 
     def finish(self) -> None:
-        """(The table is filled by the policy from verifications: `remember_verified`.)"""
+        """(The table is filled by the policy from verifications: `learn`.)"""
 
     def propose_after(self, extra: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens continuing history + extra, and the belief of the first (0: nothing proposed)."""

@@ -107,21 +107,20 @@ class DyTC(Policy):
 
     def observe(self, ctx: DraftContext, tree: DraftTree, path: list[int], emitted: list[int]) -> None:
         assert self.step is not None and self.step.tree is tree, "observe the tree this router drafted last"
-        nodes, on_path = self.step.nodes, set(path)
-        outcomes = []
+        nodes, on_path, outcomes = self.step.nodes, set(path), []
         for n in range(1, len(tree)):
             self.drafted[nodes[n].source] = self.drafted.get(nodes[n].source, 0) + 1
             if tree.parents[n] in on_path:  # tested: the target looked at this token
                 outcomes.append((nodes[n].source, nodes[n].belief, n in on_path))
                 o = self.outcomes.setdefault(nodes[n].source, [0, 0])
-                o[0] += 1
-                o[1] += int(n in on_path)
+                o[0], o[1] = o[0] + 1, o[1] + int(n in on_path)
         free = unused_proposals(self.step, emitted, self.lookups.held)
         self.free_tests += len(free)
         self.tracker.update(outcomes + free)
         for lv in self.levels.values():
             lv.observe(ctx.model, ctx.cache, ctx.history, emitted)
-        level_rows = [(tree.tokens[n], *nd.dists[name]) for n, nd in enumerate(nodes) for name in nd.dists]
+        level_rows = [(tree.tokens[n], *nd.dists[name]) for n, nd in enumerate(nodes) for name in nd.dists
+                      ] if RECYCLE in self.lookups else []  # (the levels' rows at the nodes they ran: recycle's)
         self.lookups.observe(ctx, emitted, held_lookups(self.step, emitted), level_rows)
 
     def report(self) -> dict:

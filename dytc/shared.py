@@ -47,11 +47,6 @@ class Memory:
         """About what it holds (its tables' rows and its tree's objects)."""
         return sum(t.nbytes for t in self.recycled.values()) + (self.suffixes.nbytes() if self.suffixes else 0)
 
-    def stats(self) -> dict:
-        return {"recycled_rows": {m: len(t.rows) for m, t in self.recycled.items()},
-                "recycled_bytes": sum(t.nbytes for t in self.recycled.values()),
-                "suffix": self.suffixes.stats() if self.suffixes is not None else None}
-
 
 @dataclass
 class SharedDrafts:
@@ -67,8 +62,9 @@ class SharedDrafts:
         if mem is None:
             mem = self.clients[tenant] = Memory(self.suffix)
         self.clients.move_to_end(tenant)
-        while len(self.clients) > 1 and (len(self.clients) > self.max_clients or self.nbytes() > self.max_bytes):
-            self.clients.popitem(last=False)
+        total = self.nbytes()
+        while len(self.clients) > 1 and (len(self.clients) > self.max_clients or total > self.max_bytes):
+            total -= self.clients.popitem(last=False)[1].nbytes()
         return mem
 
     def nbytes(self) -> int:

@@ -133,10 +133,10 @@ def test_a_growing_sequence_is_never_evicted():
 # ------------------------------------------------------------------------------------------------ recycling
 def test_recycled_rows_follow_the_target_and_levels_fill_only_the_rest():
     table = Recycled(k=3)
-    logp = np.log(np.array([[0.6, 0.3, 0.1], [0.9, 0.05, 0.05]], dtype=np.float32))
-    table.update([5, 6], np.array([[7, 8, 9], [1, 2, 3]]), logp, from_target=False)
-    table.update([5], np.array([[11, 12, -1]]), np.log(np.array([[0.7, 0.2, 0.1]])), from_target=True)
-    table.update([5], np.array([[20, 21, 22]]), logp[:1], from_target=False)  # (the target's row stays)
+    logp = np.log(np.array([[0.6, 0.3, 0.1], [0.9, 0.05, 0.05]], dtype=np.float32)).tolist()
+    table.update([5, 6], [[7, 8, 9], [1, 2, 3]], logp, from_target=False)
+    table.update([5], [[11, 12, -1]], np.log([[0.7, 0.2, 0.1]]).tolist(), from_target=True)
+    table.update([5], [[20, 21, 22]], logp[:1], from_target=False)  # (the target's row stays)
     assert table.rows[5][0] == [11, 12] and table.rows[6][0] == [1, 2, 3]
     lookup = RecycleLookup([0, 5], table, eos_ids={2})
     assert lookup.propose_after([], 5) == ([11], 3)  # 0.7: belief 1 + its quartile; 11 has no row: stop
@@ -148,14 +148,14 @@ def test_recycled_rows_follow_the_target_and_levels_fill_only_the_rest():
 def test_a_recycled_chain_stops_below_its_minimum_probability():
     table = Recycled(k=2)
     p = RECYCLE_MIN_PROB / 2
-    table.update([1, 2], np.array([[2, 3], [3, 4]]), np.log(np.array([[0.9, 0.1], [p, p]])))
+    table.update([1, 2], [[2, 3], [3, 4]], np.log([[0.9, 0.1], [p, p]]).tolist())
     assert RecycleLookup([1], table).propose_after([], 5) == ([2], 4)
 
 
 def test_a_coupled_recycled_draft_is_the_argmax_of_its_log_probabilities_plus_the_noise():
     table = Recycled(k=4)
     cand, probs = [10, 11, 12, 13], [0.4, 0.3, 0.2, 0.1]
-    table.update([3], np.array([cand]), np.log(np.array([probs])))
+    table.update([3], [cand], np.log([probs]).tolist())
     noise, T = Noise(seed=5, vocab=64), 0.7
     history = [1, 2, 3]
     g = noise(len(history), torch.tensor(cand)).tolist()
@@ -169,7 +169,7 @@ def test_each_client_has_its_own_memory_and_the_oldest_is_dropped():
     assert a is not b and shared.memory("a") is a
     shared.memory("c")  # "b" was used least recently
     assert set(shared.clients) == {"a", "c"}
-    a.table(True).remember(True, ([4], np.array([[5]]), np.array([[0.0]])))
+    a.table(True).remember(True, ([4], [[5]], [[0.0]]))
     assert a.table(True).rows[4][0] == [5] and not a.table(False).rows
 
 

@@ -302,7 +302,7 @@ class Engine:
         stats.target_forwards = 1
         ctx = DraftContext(self.model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
                            budget=req.max_new_tokens - 1, latency=self.latency, noise=noise,
-                           memory=self.shared.memory(req.tenant))
+                           shared=self.shared, tenant=req.tenant)
         return Decoding(ctx, req, stats, policy, self.latency, generator, noise)
 
     def close(self, live: Live) -> tuple[Result, str]:

@@ -77,8 +77,7 @@ class Decoding:
             if k := self.policy.target_top_k:  # the target's candidates after each accepted node (the rows whose
                 # context is the text's own), for the policy to keep
                 values, top, lse = top_k_logsumexp(logits[path].float(), k)  # [P, k], [P, k], [P]
-                self.ctx.target_top = ([tree.tokens[i] for i in path], top.cpu().numpy(),
-                                       (values - lse[:, None]).cpu().numpy())
+                self.ctx.target_top = ([tree.tokens[i] for i in path], top.tolist(), (values - lse[:, None]).tolist())
             self.policy.observe(self.ctx, tree, path, emitted)
         stats.record_step(len(tree) - 1, len(path) - 1, self.ctx.draft_forwards, self.ctx.draft_ms,
                           self.policy.report())

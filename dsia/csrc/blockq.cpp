@@ -47,28 +47,65 @@ struct Call {
   float* out;  // [T, N], rows ldo apart
   int64_t N, T, K, blocks, ldo;
 
-  const uint8_t* at(int64_t tile, int64_t b) const { return codes + (tile * blocks + b) * record; }
-  int64_t scale_at(int64_t tile, int64_t b) const { return (tile * (blocks / f.super) + b / f.super) * kTile; }
-  const uint8_t* planes(int64_t tile, int64_t b) const { return at(tile, b) + f.base_bytes(); }
-  const int8_t* mult(int64_t tile, int64_t b) const {  // a [sub-blocks, 16]
-    return reinterpret_cast<const int8_t*>(planes(tile, b) + f.planes * 64);
+  const uint8_t* at(int64_t tile, int64_t b, const raw::BlockFormat& g) const {
+    return codes + (tile * blocks + b) * g.record();
   }
-  const int8_t* mins(int64_t tile, int64_t b) const {  // b [sub-blocks, 16]
-    return mult(tile, b) + (f.scaled ? 16 * f.subblocks() : 0);
+  // (tile, b)'s scales: super-blocks lie one after another across tiles (blocks is a multiple of super)
+  int64_t scale_at(int64_t tile, int64_t b, const raw::BlockFormat& g) const {
+    return (tile * blocks + b) / g.super * kTile;
+  }
+  const uint8_t* planes(int64_t tile, int64_t b, const raw::BlockFormat& g) const {
+    return at(tile, b, g) + g.base_bytes();
+  }
+  const int8_t* mult(int64_t tile, int64_t b, const raw::BlockFormat& g) const {  // a [sub-blocks, 16]
+    return reinterpret_cast<const int8_t*>(planes(tile, b, g) + g.planes * 64);
+  }
+  const int8_t* mins(int64_t tile, int64_t b, const raw::BlockFormat& g) const {  // b [sub-blocks, 16]
+    return mult(tile, b, g) + (g.scaled ? 16 * g.subblocks() : 0);
   }
 };
 
+// The format a kernel is compiled for: Dynamic reads it from the call; Fixed<...> is one known when compiling (the
+// GGUF types), so that its loops test nothing and divide by constants (the same operations, so the same bits)
+struct Dynamic {
+  static raw::BlockFormat of(const raw::BlockFormat& f) { return f; }
+};
+template <int Base, int Planes, bool Scaled, bool Halves, int Mins, int Super, int Offset>
+struct Fixed {
+  static raw::BlockFormat of(const raw::BlockFormat&) {
+    return raw::BlockFormat{Base, Planes, Scaled, Halves, Mins, Super, Offset};
+  }
+  static bool is(const raw::BlockFormat& f) {
+    return f.base == Base && f.planes == Planes && f.scaled == Scaled && f.halves == Halves && f.mins == Mins &&
+           f.super == Super && f.offset == Offset;
+  }
+};
+// dsia/blockq.py GGUF_FORMATS
+using Q4_0 = Fixed<4, 0, false, false, 0, 1, -8>;
+using Q4_1 = Fixed<4, 0, false, false, 1, 1, 0>;
+using Q5_0 = Fixed<4, 1, false, false, 0, 1, -16>;
+using Q5_1 = Fixed<4, 1, false, false, 1, 1, 0>;
+using Q8_0 = Fixed<8, 0, false, false, 0, 1, -128>;
+using Q2_K = Fixed<0, 2, true, true, 2, 8, 0>;
+using Q3_K = Fixed<0, 3, true, true, 0, 8, -4>;
+using Q4_K = Fixed<4, 0, true, false, 2, 8, 0>;
+using Q5_K = Fixed<4, 1, true, false, 2, 8, 0>;
+using Q6_K = Fixed<4, 2, true, true, 0, 8, -32>;
+
 // prefetch the codes and scales kAheadBytes of codes past block b of `tile` (tiles lie one after another, so past a
 // tile's last block come the next tile's first), where that lies within the weight
+template <class F>
 [[gnu::always_inline]] inline void prefetch_ahead(const Call& c, int64_t tile, int64_t b) {
-  const int64_t at = tile * c.blocks + b + std::max<int64_t>(1, kAheadBytes / c.record);
+  const raw::BlockFormat f = F::of(c.f);
+  const int64_t record = f.record();
+  const int64_t at = tile * c.blocks + b + std::max<int64_t>(1, kAheadBytes / record);
   if (at >= (c.N + kTile - 1) / kTile * c.blocks) {
     return;
   }
-  for (int64_t line = 0; line < c.record; line += 64) {
-    __builtin_prefetch(c.codes + at * c.record + line, 0, 3);
+  for (int64_t line = 0; line < record; line += 64) {
+    __builtin_prefetch(c.codes + at * record + line, 0, 3);
   }
-  const int64_t s = c.scale_at(at / c.blocks, at % c.blocks);
+  const int64_t s = at / f.super * kTile;
   __builtin_prefetch(c.d + s, 0, 3);
   if (c.m != nullptr) {
     __builtin_prefetch(c.m + s, 0, 3);
@@ -94,7 +131,7 @@ inline uint64_t load_u64(const uint8_t* p) {
 
 // the code u of output lane `lane`, input 4 g + j of block b of tile `tile`, plain
 inline int32_t code_plain(const Call& c, int64_t tile, int64_t b, int64_t g, int64_t lane, int64_t j) {
-  const uint8_t* w = c.at(tile, b);
+  const uint8_t* w = c.at(tile, b, c.f);
   const int64_t byte = lane * 4 + j;
   int32_t u = 0;
   if (c.f.base == 8) {
@@ -104,7 +141,7 @@ inline int32_t code_plain(const Call& c, int64_t tile, int64_t b, int64_t g, int
     u = g < 4 ? two & 15 : two >> 4;
   }
   for (int p = 0; p < c.f.planes; ++p) {
-    u += static_cast<int32_t>((load_u64(c.planes(tile, b) + p * 64 + g * 8) >> byte) & 1) << (c.f.base + p);
+    u += static_cast<int32_t>((load_u64(c.planes(tile, b, c.f) + p * 64 + g * 8) >> byte) & 1) << (c.f.base + p);
   }
   return u;
 }
@@ -114,9 +151,9 @@ template <int R>
   float acc[R][kTile] = {};
   const int64_t H = c.f.subblocks();
   for (int64_t b = 0; b < c.blocks; ++b) {
-    const int64_t s = c.scale_at(tile, b);
-    const int8_t* a = c.mult(tile, b);
-    const int8_t* bm = c.mins(tile, b);
+    const int64_t s = c.scale_at(tile, b, c.f);
+    const int8_t* a = c.mult(tile, b, c.f);
+    const int8_t* bm = c.mins(tile, b, c.f);
     for (int r = 0; r < R; ++r) {
       const int64_t t = t0 + r;
       const int8_t* x = c.xq + t * c.K + b * kBlock;
@@ -162,23 +199,24 @@ __attribute__((target("avx2"), always_inline)) inline __m256i expand_bits(uint32
   return _mm256_cmpeq_epi8(v, bit);
 }
 
-template <int R>
+template <int R, class F>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(const Call& c, int64_t tile,
                                                                                 int64_t t0) {
+  const raw::BlockFormat f = F::of(c.f);
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   }
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(-128);
-  const bool eight = c.f.base == 8, two = c.f.halves;
+  const bool eight = f.base == 8, two = f.halves;
   // (8-bit codes are multiplied as u - 128 with x's sign trick: maddubs would saturate u8 x s8 pairs over 127)
-  const int32_t offset = eight ? c.f.offset + 128 : c.f.offset;
+  const int32_t offset = eight ? f.offset + 128 : f.offset;
   for (int64_t b = 0; b < c.blocks; ++b) {
-    const uint8_t* wb = c.at(tile, b);
-    const uint8_t* pl = c.planes(tile, b);
-    prefetch_ahead(c, tile, b);
-    const int64_t s = c.scale_at(tile, b);
+    const uint8_t* wb = c.at(tile, b, f);
+    const uint8_t* pl = c.planes(tile, b, f);
+    prefetch_ahead<F>(c, tile, b);
+    const int64_t s = c.scale_at(tile, b, f);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7
       __m256i w[kGroups];
@@ -191,7 +229,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
         for (int64_t g = 0; g < kGroups; ++g) {
           w[g] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + 32 * h)), flip);
         }
-      } else if (c.f.base == 4) {
+      } else if (f.base == 4) {
 #pragma GCC unroll 4
         for (int64_t g = 0; g < kGroups / 2; ++g) {
           const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + 32 * h));
@@ -199,8 +237,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
           w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(y, 4), low);
         }
       }
-      for (int p = 0; p < c.f.planes; ++p) {
-        const __m256i add = _mm256_set1_epi8(static_cast<char>(1 << (c.f.base + p)));
+      for (int p = 0; p < f.planes; ++p) {
+        const __m256i add = _mm256_set1_epi8(static_cast<char>(1 << (f.base + p)));
 #pragma GCC unroll 8
         for (int64_t g = 0; g < kGroups; ++g) {
           const uint32_t bits = static_cast<uint32_t>(load_u64(pl + p * 64 + g * 8) >> (32 * h));
@@ -209,15 +247,15 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
       }
       const __m256 d = load8_half(c.d + s + 8 * h);
       const __m256 m = c.m != nullptr ? load8_half(c.m + s + 8 * h) : d;
-      const int8_t* ap = c.mult(tile, b) + 8 * h;
-      const int8_t* bp = c.mins(tile, b) + 8 * h;
-      const __m256i a0 = c.f.scaled ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ap)))
+      const int8_t* ap = c.mult(tile, b, f) + 8 * h;
+      const int8_t* bp = c.mins(tile, b, f) + 8 * h;
+      const __m256i a0 = f.scaled ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ap)))
                                     : _mm256_set1_epi32(1);
-      const __m256i a1 = c.f.scaled && two
+      const __m256i a1 = f.scaled && two
                              ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ap + 16)))
                              : a0;
       __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-      if (c.f.mins == 2) {
+      if (f.mins == 2) {
         b0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bp))));
         b1 = two ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bp + 16))))
                  : b0;
@@ -245,9 +283,9 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
                               : _mm256_mullo_epi32(a0, _mm256_add_epi32(lo, hi));
         const __m256 dx = _mm256_set1_ps(c.dx[t * c.blocks + b]);
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, dx), acc[r][h]);
-        if (c.f.mins != 0) {
+        if (f.mins != 0) {
           __m256 B;
-          if (c.f.mins == 1) {
+          if (f.mins == 1) {
             B = _mm256_set1_ps(static_cast<float>(xs0 + xs1));
           } else if (two) {
             B = _mm256_add_ps(_mm256_mul_ps(b0, _mm256_set1_ps(static_cast<float>(xs0))),
@@ -271,26 +309,27 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
 }
 
 #define CASSPEC_VNNI "avx512f,avx512bw,avx512vl,avx512vnni"
-template <int R>
+template <int R, class F>
 __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const Call& c, int64_t tile, int64_t t0) {
+  const raw::BlockFormat f = F::of(c.f);
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(15);
-  const bool two = c.f.halves;
+  const bool two = f.halves;
   for (int64_t b = 0; b < c.blocks; ++b) {
-    const uint8_t* wb = c.at(tile, b);
-    const uint8_t* pl = c.planes(tile, b);
-    prefetch_ahead(c, tile, b);
+    const uint8_t* wb = c.at(tile, b, f);
+    const uint8_t* pl = c.planes(tile, b, f);
+    prefetch_ahead<F>(c, tile, b);
     __m512i w[kGroups];  // u8: the codes
-    if (c.f.base == 8) {
+    if (f.base == 8) {
 #pragma GCC unroll 8
       for (int64_t g = 0; g < kGroups; ++g) {
         w[g] = _mm512_loadu_si512(wb + g * 64);
       }
-    } else if (c.f.base == 4) {
+    } else if (f.base == 4) {
 #pragma GCC unroll 4
       for (int64_t g = 0; g < kGroups / 2; ++g) {
         const __m512i y = _mm512_loadu_si512(wb + g * 64);
@@ -303,25 +342,25 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
         w[g] = _mm512_setzero_si512();
       }
     }
-    for (int p = 0; p < c.f.planes; ++p) {
-      const __m512i add = _mm512_set1_epi8(static_cast<char>(1 << (c.f.base + p)));
+    for (int p = 0; p < f.planes; ++p) {
+      const __m512i add = _mm512_set1_epi8(static_cast<char>(1 << (f.base + p)));
 #pragma GCC unroll 8
       for (int64_t g = 0; g < kGroups; ++g) {
         w[g] = _mm512_mask_add_epi8(w[g], _cvtu64_mask64(load_u64(pl + p * 64 + g * 8)), w[g], add);
       }
     }
-    const int64_t s = c.scale_at(tile, b);
+    const int64_t s = c.scale_at(tile, b, f);
     const __m512 d = load16_half(c.d + s);
     const __m512 m = c.m != nullptr ? load16_half(c.m + s) : d;
-    const int8_t* ap = c.mult(tile, b);
-    const int8_t* bp = c.mins(tile, b);
-    const __m512i a0 = c.f.scaled ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ap)))
+    const int8_t* ap = c.mult(tile, b, f);
+    const int8_t* bp = c.mins(tile, b, f);
+    const __m512i a0 = f.scaled ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ap)))
                                   : _mm512_set1_epi32(1);
-    const __m512i a1 = c.f.scaled && two
+    const __m512i a1 = f.scaled && two
                            ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ap + 16)))
                            : a0;
     __m512 b0 = _mm512_setzero_ps(), b1 = b0;
-    if (c.f.mins == 2) {
+    if (f.mins == 2) {
       b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp))));
       b1 = two ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16))))
                : b0;
@@ -331,20 +370,20 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
       const int64_t t = t0 + r;
       const alias_i32* x4 = reinterpret_cast<const alias_i32*>(c.xq + t * c.K + b * kBlock);  // [8] groups of 4
       const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
-      __m512i lo = _mm512_set1_epi32(c.f.offset * xs0), hi = _mm512_set1_epi32(c.f.offset * xs1);
+      __m512i lo = _mm512_set1_epi32(f.offset * xs0), hi = _mm512_set1_epi32(f.offset * xs1);
 #pragma GCC unroll 4
       for (int64_t g = 0; g < kGroups / 2; ++g) {  // (each group's 4 activation bytes broadcast from memory)
         lo = _mm512_dpbusd_epi32(lo, w[g], _mm512_set1_epi32(x4[g]));  // (an embedded broadcast of x's 4 bytes)
         hi = _mm512_dpbusd_epi32(hi, w[g + 4], _mm512_set1_epi32(x4[g + 4]));
       }
-      const __m512i S = !c.f.scaled ? _mm512_add_epi32(lo, hi)
+      const __m512i S = !f.scaled ? _mm512_add_epi32(lo, hi)
                         : two        ? _mm512_add_epi32(_mm512_mullo_epi32(a0, lo), _mm512_mullo_epi32(a1, hi))
                                      : _mm512_mullo_epi32(a0, _mm512_add_epi32(lo, hi));
       const __m512 dx = _mm512_set1_ps(c.dx[t * c.blocks + b]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, dx), acc[r]);
-      if (c.f.mins != 0) {
+      if (f.mins != 0) {
         __m512 B;
-        if (c.f.mins == 1) {
+        if (f.mins == 1) {
           B = _mm512_set1_ps(static_cast<float>(xs0 + xs1));
         } else if (two) {
           B = _mm512_add_ps(_mm512_mul_ps(b0, _mm512_set1_ps(static_cast<float>(xs0))),
@@ -368,36 +407,73 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
 // instruction set: its loops inline, each row tile's accumulators in registers; a row's arithmetic is the same in
 // any row tile)
 #define CASSPEC_RANGE(NAME, TARGET, ROWS, WIDE)                     \
+  template <class F>                                                \
   TARGET void NAME(const Call& c, int64_t tile0, int64_t tile1) {   \
     for (int64_t tile = tile0; tile < tile1; ++tile) {              \
       int64_t t0 = 0;                                               \
       for (; t0 + WIDE <= c.T; t0 += WIDE) {                        \
-        ROWS<WIDE>(c, tile, t0);                                    \
+        ROWS<WIDE, F>(c, tile, t0);                                 \
       }                                                             \
       if (WIDE > 4 && t0 + 4 <= c.T) {                              \
-        ROWS<4>(c, tile, t0);                                       \
+        ROWS<4, F>(c, tile, t0);                                    \
         t0 += 4;                                                    \
       }                                                             \
       switch (c.T - t0) {                                           \
         case 3:                                                     \
-          ROWS<3>(c, tile, t0);                                     \
+          ROWS<3, F>(c, tile, t0);                                  \
           break;                                                    \
         case 2:                                                     \
-          ROWS<2>(c, tile, t0);                                     \
+          ROWS<2, F>(c, tile, t0);                                  \
           break;                                                    \
         case 1:                                                     \
-          ROWS<1>(c, tile, t0);                                     \
+          ROWS<1, F>(c, tile, t0);                                  \
           break;                                                    \
         default:                                                    \
           break;                                                    \
       }                                                             \
     }                                                               \
   }
-CASSPEC_RANGE(range_plain, , rows_plain, 4)
 CASSPEC_RANGE(range_avx2, __attribute__((target("avx2,fma,f16c"))), rows_avx2, 4)
 CASSPEC_RANGE(range_vnni, __attribute__((target(CASSPEC_VNNI))), rows_vnni, kRowTile)
 #undef CASSPEC_RANGE
 static_assert(kRowTile == 4 || kRowTile == 8, "CASSPEC_RANGE takes 4 rows, then the last 1-3");
+
+// the plain path, its format read at run time
+void range_plain(const Call& c, int64_t tile0, int64_t tile1) {
+  for (int64_t tile = tile0; tile < tile1; ++tile) {
+    int64_t t0 = 0;
+    for (; t0 + 4 <= c.T; t0 += 4) {
+      rows_plain<4>(c, tile, t0);
+    }
+    for (; t0 < c.T; ++t0) {
+      rows_plain<1>(c, tile, t0);
+    }
+  }
+}
+
+// tiles [tile0, tile1) by the path `isa` names, compiled for format F
+template <class F>
+void range_of(const Call& c, int64_t tile0, int64_t tile1, Isa isa) {
+  if (isa == kAvx512) {
+    range_vnni<F>(c, tile0, tile1);
+  } else if (isa == kAvx2) {
+    range_avx2<F>(c, tile0, tile1);
+  } else {
+    range_plain(c, tile0, tile1);
+  }
+}
+
+// the kernel compiled for the call's format where it is a GGUF type (else the one that reads it at run time)
+template <class F, class... Rest>
+void range_for(const Call& c, int64_t tile0, int64_t tile1, Isa isa) {
+  if (F::is(c.f)) {
+    range_of<F>(c, tile0, tile1, isa);
+  } else if constexpr (sizeof...(Rest) > 0) {
+    range_for<Rest...>(c, tile0, tile1, isa);
+  } else {
+    range_of<Dynamic>(c, tile0, tile1, isa);
+  }
+}
 
 
 typedef float f16v __attribute__((vector_size(64), aligned(4)));  // 16 floats (unaligned loads and stores)
@@ -492,13 +568,7 @@ Isa block_isa() {
 void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
                  int64_t tile1, Isa isa) {
   const Call c{w.codes, w.f, w.f.record(), w.d, w.m, a.xq, a.dx, a.xsum, out, w.N, T, w.K, w.K / kBlock, ldo};
-  if (isa == kAvx512) {
-    range_vnni(c, tile0, tile1);
-  } else if (isa == kAvx2) {
-    range_avx2(c, tile0, tile1);
-  } else {
-    range_plain(c, tile0, tile1);
-  }
+  range_for<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(c, tile0, tile1, isa);
 }
 
 }  // namespace raw

@@ -115,15 +115,6 @@ void norm_row(const float* x, const float* w, float* out, int64_t D, double eps)
 struct Visible {
   const bool* mask;  // or nullptr
   int64_t T, end;
-  bool operator()(int64_t t, int64_t j) const { return mask ? mask[t * end + j] : j <= end - T + t; }
-  // whether row t sees all of slots [j, j + 16)
-  bool all(int64_t t, int64_t j) const {
-    if (mask == nullptr) {
-      return j + 15 <= end - T + t;
-    }
-    const bool* m = mask + t * end + j;
-    return std::all_of(m, m + 16, [](bool b) { return b; });
-  }
 };
 
 // Row r's scores of 16 keys (float32, k_stride apart) with an AVX-512 path's registers: key i's q . k as `attend_impl`
@@ -151,11 +142,82 @@ __attribute__((target("avx512f"))) int64_t block16(const float* qh, const float*
   return 16;
 }
 
+// The slots a query row sees: all of [0, prefix), then `extra` (ascending: a tree's scratch slots past its prefix)
+struct RowSlots {
+  int64_t prefix = 0;
+  std::vector<int64_t> extra;
+  int64_t count() const { return prefix + static_cast<int64_t>(extra.size()); }
+};
+
+// row t's slots as `seen` says (one pass over its mask row; none without a mask)
+inline void row_slots(const Visible& seen, int64_t t, RowSlots& out) {
+  out.extra.clear();
+  if (seen.mask == nullptr) {
+    out.prefix = seen.end - seen.T + t + 1;
+    return;
+  }
+  const bool* m = seen.mask + t * seen.end;
+  const void* hole = std::memchr(m, 0, seen.end);  // (a bool is one byte, 0 or 1)
+  out.prefix = hole == nullptr ? seen.end : static_cast<const bool*>(hole) - m;
+  for (int64_t j = out.prefix; j < seen.end; ++j) {
+    if (m[j]) {
+      out.extra.push_back(j);
+    }
+  }
+}
+
+// heads whose weighted sums of values go together (each value chunk loaded once for them, their accumulators in
+// registers): as many as 16 registers hold
+template <int64_t C>
+constexpr int64_t kHeadsTogether = C == 0 ? 1 : std::max<int64_t>(1, 16 / C);
+
+// U heads' weighted sums of the values a row sees (head u's numerators p[u] in the row's order of slots, their sum
+// total[u]), each head adding its terms in position order: out + u * hd
+template <int64_t U, int64_t C, class KV>
+[[gnu::always_inline]] inline void weighted_values(const float* const* p, const RowSlots& sl, const KV* values,
+                                                   int64_t v_stride, int64_t hd, const float* total, float* out) {
+  constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
+  const int64_t chunks = C > 0 ? C : (hd + kLanes - 1) / kLanes;
+  auto width = [&](int64_t c) { return C > 0 && C * kLanes == hd ? kLanes : std::min(kLanes, hd - c * kLanes); };
+  v16 acc[U][C > 0 ? C : kMaxChunks];
+#pragma GCC unroll 16
+  for (int64_t u = 0; u < U; ++u) {
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < chunks; ++c) {
+      acc[u][c] = v16{};
+    }
+  }
+  auto add = [&](int64_t i, int64_t j) {  // the row's score i, slot j's value
+    const KV* v = values + j * v_stride;
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < chunks; ++c) {
+      const v16 vc = load(v + c * kLanes, width(c));
+#pragma GCC unroll 8
+      for (int64_t u = 0; u < U; ++u) {
+        acc[u][c] += p[u][i] * vc;
+      }
+    }
+  };
+  for (int64_t j = 0; j < sl.prefix; ++j) {
+    add(j, j);
+  }
+  for (int64_t k = 0; k < static_cast<int64_t>(sl.extra.size()); ++k) {
+    add(sl.prefix + k, sl.extra[k]);
+  }
+#pragma GCC unroll 8
+  for (int64_t u = 0; u < U; ++u) {
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < chunks; ++c) {
+      store(out + u * hd + c * kLanes, acc[u][c] / total[u], width(c));
+    }
+  }
+}
+
 // Rows [r0, r1) (R of them), each with G query heads (row r, head h at q + r * q_row + h * q_head), attending over
-// the keys they see of one KV head: out row r, head h at out + r * out_row + h * hd. Each key and value is read
-// once for every row and head that sees it; each row's scores are kept in its own order of keys (position
-// order), so what a row gets does not depend on the rows beside it. C: the head's 16-float chunks, a constant for
-// the usual head dims (their chunks then stay in registers; 0: any hd up to 256).
+// the keys they see of one KV head: out row r, head h at out + r * out_row + h * hd. Each row's scores are kept in
+// its own order of keys (position order) and each head's weighted sum of values adds them in that order, so what a
+// row gets does not depend on the rows beside it (nor on which heads share a value's load). C: the head's 16-float
+// chunks, a constant for the usual head dims (their chunks then stay in registers; 0: any hd up to 256).
 template <int64_t C, class KV, bool Wide>
 [[gnu::always_inline]] inline void attend_impl(const float* q, int64_t q_row, int64_t q_head, const KV* keys,
                                                int64_t k_stride, const KV* values, int64_t v_stride,
@@ -164,13 +226,12 @@ template <int64_t C, class KV, bool Wide>
   constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
   const int64_t chunks = C > 0 ? C : (hd + kLanes - 1) / kLanes, R = r1 - r0;
   auto width = [&](int64_t c) { return C > 0 && C * kLanes == hd ? kLanes : std::min(kLanes, hd - c * kLanes); };
-  // row r sees count[r] keys; its scores are G runs of padded[r] floats (count rounded up to 16) from first[r]
-  std::vector<int64_t> first(R + 1, 0), count(R, 0), padded(R);
+  // row r sees slots[r]; its scores are G runs of padded[r] floats (its count rounded up to 16) from first[r]
+  std::vector<RowSlots> slots(R);
+  std::vector<int64_t> first(R + 1, 0), padded(R);
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t j = 0; j < seen.end; ++j) {
-      count[r] += seen(r0 + r, j);
-    }
-    padded[r] = (count[r] + kLanes - 1) / kLanes * kLanes;
+    row_slots(seen, r0 + r, slots[r]);
+    padded[r] = (slots[r].count() + kLanes - 1) / kLanes * kLanes;
     first[r + 1] = first[r] + G * padded[r];
   }
   std::vector<float> scores(first[R]);
@@ -186,42 +247,44 @@ template <int64_t C, class KV, bool Wide>
       }
     }
   }
-  // scores, per row and head in position order; on AVX-512 (float32 keys, 64- or 128-float heads) a block of 16
-  // keys the row sees all of goes at once: the same products and sums, the 16 folds together (fold512.h)
+  // key j's score for query chunks qh: the lane-wise products summed chunk by chunk, folded, times scale
+  auto score = [&](const float* qh, int64_t j) {
+    const KV* k = keys + j * k_stride;
+    v16 d = load(qh) * load(k, width(0));
+#pragma GCC unroll 16
+    for (int64_t c = 1; c < chunks; ++c) {
+      d += load(qh + c * kLanes) * load(k + c * kLanes, width(c));
+    }
+    return fold(d) * scale;
+  };
+  // scores, per row and head in position order; on AVX-512 (float32 keys, 64- or 128-float heads) 16 keys of the
+  // prefix at once: the same products and sums, the 16 folds together (fold512.h)
   constexpr bool kBlocks16 = Wide && std::is_same_v<KV, float> && (C == 4 || C == 8);
   for (int64_t r = 0; r < R; ++r) {
+    const RowSlots& sl = slots[r];
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = qv.data() + (r * G + h) * chunks * kLanes;
       float* row = scores.data() + first[r] + h * padded[r];
-      int64_t at = 0;  // the row's next score
-      for (int64_t j0 = 0; j0 < seen.end; j0 += kLanes) {
-        const int64_t n = std::min(kLanes, seen.end - j0);
-        if constexpr (kBlocks16) {
-          if (n == kLanes && seen.all(r0 + r, j0)) {
-            at += block16<C>(qh, reinterpret_cast<const float*>(keys) + j0 * k_stride, k_stride, scale, row + at);
-            continue;
-          }
+      int64_t j = 0;
+      if constexpr (kBlocks16) {
+        for (; j + kLanes <= sl.prefix; j += kLanes) {
+          block16<C>(qh, reinterpret_cast<const float*>(keys) + j * k_stride, k_stride, scale, row + j);
         }
-        for (int64_t j = j0; j < j0 + n; ++j) {
-          if (!seen(r0 + r, j)) {
-            continue;
-          }
-          const KV* k = keys + j * k_stride;
-          v16 d = load(qh) * load(k, width(0));
-#pragma GCC unroll 16
-          for (int64_t c = 1; c < chunks; ++c) {
-            d += load(qh + c * kLanes) * load(k + c * kLanes, width(c));
-          }
-          row[at++] = fold(d) * scale;
-        }
+      }
+      for (; j < sl.prefix; ++j) {
+        row[j] = score(qh, j);
+      }
+      for (const int64_t e : sl.extra) {
+        row[j++] = score(qh, e);
       }
     }
   }
   std::vector<float> total(R * G);
   for (int64_t r = 0; r < R; ++r) {  // softmax's numerators e^(s - max), and their sum, per row and head
+    const int64_t count = slots[r].count();
     for (int64_t h = 0; h < G; ++h) {
       float* p = scores.data() + first[r] + h * padded[r];
-      std::fill(p + count[r], p + padded[r], -std::numeric_limits<float>::infinity());
+      std::fill(p + count, p + padded[r], -std::numeric_limits<float>::infinity());
       v16 most = load(p);
       for (int64_t i = kLanes; i < padded[r]; i += kLanes) {
         const v16 x = load(p + i);
@@ -240,31 +303,29 @@ template <int64_t C, class KV, bool Wide>
       total[r * G + h] = fold(sum);
     }
   }
-  std::vector<int64_t> slots;
-  for (int64_t r = 0; r < R; ++r) {  // the weighted sums of the values, in position order, per row and head
-    slots.clear();
-    for (int64_t j = 0; j < seen.end; ++j) {
-      if (seen(r0 + r, j)) {
-        slots.push_back(j);
+  // the weighted sums of the values, in position order, per row and head (up to kHeadsTogether heads at a time)
+  constexpr int64_t HT = kHeadsTogether<C>;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t h0 = 0; h0 < G; h0 += HT) {
+      const float* p[HT];
+      for (int64_t u = 0; u < std::min(HT, G - h0); ++u) {
+        p[u] = scores.data() + first[r] + (h0 + u) * padded[r];
       }
-    }
-    for (int64_t h = 0; h < G; ++h) {
-      const float* p = scores.data() + first[r] + h * padded[r];
-      v16 acc[kMaxChunks];
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < chunks; ++c) {
-        acc[c] = v16{};
-      }
-      for (int64_t i = 0; i < count[r]; ++i) {
-        const KV* v = values + slots[i] * v_stride;
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < chunks; ++c) {
-          acc[c] += p[i] * load(v + c * kLanes, width(c));
-        }
-      }
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < chunks; ++c) {
-        store(out + (r0 + r) * out_row + h * hd + c * kLanes, acc[c] / total[r * G + h], width(c));
+      float* o = out + (r0 + r) * out_row + h0 * hd;
+      const float* t = total.data() + r * G + h0;
+      switch (std::min(HT, G - h0)) {
+        case 4:
+          weighted_values<std::min<int64_t>(HT, 4), C>(p, slots[r], values, v_stride, hd, t, o);
+          break;
+        case 3:
+          weighted_values<std::min<int64_t>(HT, 3), C>(p, slots[r], values, v_stride, hd, t, o);
+          break;
+        case 2:
+          weighted_values<std::min<int64_t>(HT, 2), C>(p, slots[r], values, v_stride, hd, t, o);
+          break;
+        default:
+          weighted_values<1, C>(p, slots[r], values, v_stride, hd, t, o);
+          break;
       }
     }
   }

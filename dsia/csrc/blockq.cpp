@@ -44,6 +44,7 @@ struct Call {
   const int8_t* xq;
   const float* dx;
   const int32_t* xsum;
+  const float* xsumf;  // [T, blocks]: each block's xsum0 + xsum1 as a float
   float* out;  // [T, N], rows ldo apart
   int64_t N, T, K, blocks, ldo;
 
@@ -286,12 +287,12 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
         if (f.mins != 0) {
           __m256 B;
           if (f.mins == 1) {
-            B = _mm256_set1_ps(static_cast<float>(xs0 + xs1));
+            B = _mm256_set1_ps(c.xsumf[t * c.blocks + b]);
           } else if (two) {
             B = _mm256_add_ps(_mm256_mul_ps(b0, _mm256_set1_ps(static_cast<float>(xs0))),
                               _mm256_mul_ps(b1, _mm256_set1_ps(static_cast<float>(xs1))));
           } else {
-            B = _mm256_mul_ps(b0, _mm256_set1_ps(static_cast<float>(xs0 + xs1)));
+            B = _mm256_mul_ps(b0, _mm256_set1_ps(c.xsumf[t * c.blocks + b]));
           }
           acc[r][h] = _mm256_fmadd_ps(B, _mm256_mul_ps(m, dx), acc[r][h]);
         }
@@ -384,12 +385,12 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
       if (f.mins != 0) {
         __m512 B;
         if (f.mins == 1) {
-          B = _mm512_set1_ps(static_cast<float>(xs0 + xs1));
+          B = _mm512_set1_ps(c.xsumf[t * c.blocks + b]);
         } else if (two) {
           B = _mm512_add_ps(_mm512_mul_ps(b0, _mm512_set1_ps(static_cast<float>(xs0))),
                             _mm512_mul_ps(b1, _mm512_set1_ps(static_cast<float>(xs1))));
         } else {
-          B = _mm512_mul_ps(b0, _mm512_set1_ps(static_cast<float>(xs0 + xs1)));
+          B = _mm512_mul_ps(b0, _mm512_set1_ps(c.xsumf[t * c.blocks + b]));
         }
         acc[r] = _mm512_fmadd_ps(B, _mm512_mul_ps(m, dx), acc[r]);
       }
@@ -510,6 +511,7 @@ typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
       }
       a.xsum[2 * at + h] = total;
     }
+    a.xsumf[at] = static_cast<float>(a.xsum[2 * at] + a.xsum[2 * at + 1]);
     a.dx[at] = scale;
   }
 }
@@ -567,7 +569,8 @@ Isa block_isa() {
 
 void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
                  int64_t tile1, Isa isa) {
-  const Call c{w.codes, w.f, w.f.record(), w.d, w.m, a.xq, a.dx, a.xsum, out, w.N, T, w.K, w.K / kBlock, ldo};
+  const Call c{w.codes, w.f, w.f.record(), w.d, w.m, a.xq, a.dx, a.xsum, a.xsumf, out, w.N, T, w.K, w.K / kBlock,
+               ldo};
   range_for<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(c, tile0, tile1, isa);
 }
 
@@ -600,7 +603,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor xq = x.new_empty({T, K}, x.options().dtype(at::kChar));
   at::Tensor dx = x.new_empty({T, blocks});
   at::Tensor xsum = x.new_empty({T, 2 * blocks}, x.options().dtype(at::kInt));
-  const raw::BlockActs acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int32_t>()};
+  at::Tensor xsumf = x.new_empty({T, blocks});
+  const raw::BlockActs acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int32_t>(),
+                            xsumf.data_ptr<float>()};
   raw::quantize_blocks(xc.data_ptr<float>(), acts, 0, T * blocks);
   at::Tensor out = x.new_empty({T, n});
   const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());

@@ -351,9 +351,11 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, const st
         }
       }
 #pragma omp barrier
-      {  // attention, a query head's block of rows of a part at a time (and its outputs' 8-bit blocks)
-        auto [a, b] = share(H * static_cast<int64_t>(row_blocks.size()), tid, n);
-        for (int64_t item = a; item < b; ++item) {
+      {  // attention, a query head's block of rows of a part at a time (and its outputs' 8-bit blocks); the items
+         // dealt out in turn, not in runs: a prompt's later rows see more keys, and a run of them on one thread
+         // kept the other waiting
+        const int64_t items = H * static_cast<int64_t>(row_blocks.size());
+        for (int64_t item = tid; item < items; item += n) {
           const int64_t head = item % H, g = head / G;
           const auto [j, r0, r1] = row_blocks[item / H];
           const Part& p = ps[j];

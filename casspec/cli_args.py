@@ -106,6 +106,9 @@ def _serve_args(sub) -> None:
                    "one more gets 429 with Retry-After (default 32)")
     s.add_argument("--max-batch", type=int, default=8, help="requests generating at once: every step one target "
                    "forward verifies all their drafts (continuous batching; default 8)")
+    s.add_argument("--prefix-cache-mb", type=int, default=1024, help="KV of finished requests kept per client (API "
+                   "key and user), so that a prompt starting with their tokens skips their forward (MB in all, least "
+                   "recently used dropped; 0: none; default 1024)")
     s.add_argument("--ray", action="store_true", help="run engine replicas as Ray Serve deployments behind one "
                    "endpoint (needs casspec[ray]; a local Ray instance, or the cluster $RAY_ADDRESS names)")
     s.add_argument("--replicas", type=int, default=1, help="--ray: engine replicas (default 1)")

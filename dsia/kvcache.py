@@ -43,6 +43,16 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    def load(self, k: Tensor, v: Tensor) -> None:
+        """Make k, v [layers, kv_heads, n, head_dim] the committed prefix (KV an earlier forward computed)."""
+        n = k.shape[2]
+        assert n <= self.capacity and k.shape == v.shape == (*self.k.shape[:2], n, self.k.shape[3]), k.shape
+        self.k[:, :, :n] = k
+        self.v[:, :, :n] = v
+        self.zeroed = max(self.zeroed, n)
+        self.length = n
+        self.changes += 1
+
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         """Write k, v [kv_heads, T, head_dim] into slots [start, start + T); never below the committed length."""
         end = start + k.shape[1]

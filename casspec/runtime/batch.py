@@ -23,6 +23,7 @@ from dsia.gcpause import paused_gc
 from dytc.policies import Load
 
 from .live import CacheSlot, Live
+from .prefixes import PrefixStore
 from .request import Request
 from .stats import Result
 from .step import Decoding, verify_batch
@@ -61,6 +62,8 @@ class BatchStats:
     rows: int = 0  # rows verified over all steps
     drafted: int = 0  # draft tokens verified over all steps
     root_only: int = 0  # generations' steps that verified the root alone
+    prefix_hits: int = 0  # prompts that took kept KV (Batch.prefixes)
+    prefix_tokens: int = 0  # the prompt tokens whose forward that saved
 
 
 @dataclass
@@ -75,6 +78,8 @@ class Batch:
     slots: list[CacheSlot] = field(default_factory=list)
     free: list[CacheSlot] = field(default_factory=list)  # those no generation runs on
     stats: BatchStats = field(default_factory=BatchStats)
+    prefixes: PrefixStore | None = None  # finished generations' KV, which a later prompt of the same client that
+    # starts with their tokens copies in place of computing it (None: only what a free cache still holds is reused)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -88,12 +93,21 @@ class Batch:
     def join(self, prompt_ids: list[int], req: Request, cancel: threading.Event | None = None,
              owner: object = None) -> tuple[Running, str]:
         """Start a generation (its prompt's forward alone, on the free cache that holds most of its prompt, a new
-        cache where none is free); it steps with the others from the next `step`. Returns it and its first text."""
+        cache where none is free; a kept prefix of the client's copied in where it holds more); it steps with the
+        others from the next `step`. Returns it and its first text."""
         assert not self.full, "the batch is full"
         if not self.free:
             self.free.append(CacheSlot(self.engine.model.new_cache(self.engine.cache.capacity)))
             self.slots.append(self.free[-1])
-        slot = max(self.free, key=lambda s: s.reusable(prompt_ids))
+        slot = max(self.free, key=lambda s: s.reusable(prompt_ids) if s.tenant == req.tenant else 0)
+        if slot.tenant != req.tenant:  # (another client's tokens: not reused, nor their time saved seen)
+            slot.forget()
+        if self.prefixes is not None and self.engine.reuse_prefix:
+            n, kept = self.prefixes.longest(req.tenant, prompt_ids)
+            if kept is not None and n > slot.reusable(prompt_ids):
+                self.prefixes.restore(req.tenant, kept, n, slot)
+                self.stats.prefix_hits += 1
+                self.stats.prefix_tokens += n
         with self.engine.hold(), paused_gc():
             live, dec = self.engine.open(prompt_ids, req, slot, cancel)
             self.free.remove(slot)
@@ -131,6 +145,9 @@ class Batch:
         holding its tokens for a prompt that starts with them."""
         self.running.remove(run)
         run.slot.keep(run.dec.ctx.history)
+        run.slot.tenant = run.dec.req.tenant
+        if self.prefixes is not None:
+            self.prefixes.keep(run.dec.req.tenant, run.slot.left, run.slot.cache)
         self.free.append(run.slot)
         run.dec.finish()
         with self.engine.hold():

@@ -21,6 +21,7 @@ class CacheSlot:
     cache: KVCache
     left: list[int] = field(default_factory=list)  # the tokens the last generation left committed
     changes: int = -1  # cache.changes then (anything since, e.g. a measurement, voids them)
+    tenant: str = ""  # the client whose generation left them (a batch reuses them for that client's prompts alone)
 
     def reusable(self, prompt_ids: Sequence[int]) -> int:
         """How many leading prompt tokens the cache still holds (at most all but the last: its logits give the

@@ -49,6 +49,7 @@ from dsia.errors import CasspecError
 from ..runtime.defaults import BOTTOM, LEVEL, METHOD
 from .calls import ApiError, Call, Limits, check_positive, parse_call, read_json
 from ..runtime.engine import Engine
+from ..runtime.prefixes import check_megabytes
 from .guard import ANY_HOST, LOCAL_HOSTS, Guard, HeadTimeoutProtocol, check_json, hostname, read_body
 from .metrics import CONTENT_TYPE, Metrics
 from ..runtime.request import Request
@@ -67,6 +68,7 @@ class ServeConfig:
     bottom: str = BOTTOM  # statistical lookups beneath the levels
     max_queue: int = 32  # calls that may wait while max_batch run; one more gets 429
     max_batch: int = 8  # calls generating at once (continuous batching; each its own KV cache, made on first use)
+    prefix_cache_mb: int = 1024  # finished calls' KV kept per client for prompts that start with it (0: none)
     api_key: str | None = None  # when set, /v1/* need the header "Authorization: Bearer <key>"
     limits: Limits = Limits()  # what one call and its client may cost: body, prompt, stops, max_tokens, deadline,
     # stalls, connections (calls.Limits)
@@ -75,6 +77,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         check_positive("max_queue", self.max_queue)
         check_positive("max_batch", self.max_batch)
+        check_megabytes(self.prefix_cache_mb)
         for host in self.allowed_hosts:
             if not host or any(c.isspace() or c in "/@?#" for c in host):
                 raise CasspecError(f"allowed host {host!r} is not a host name: give names like example.com or "
@@ -153,7 +156,7 @@ class Api:
         self.template = cfg.template
         self.hosts = cfg.hosts(bound)
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, cfg.max_queue, self.metrics, own_thread, cfg.max_batch)
+        self.scheduler = Scheduler(engine, cfg.max_queue, self.metrics, own_thread, cfg.max_batch, cfg.prefix_cache_mb)
         self.created = int(time.time())
 
     def app(self) -> Starlette:

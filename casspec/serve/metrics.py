@@ -33,6 +33,8 @@ BATCH_COUNTERS = {  # BatchStats field -> help text; exported as casspec:batch_<
     "rows": "Rows the steps' target forwards verified (each request's root and draft tokens).",
     "drafted": "Draft tokens in those forwards (speculation sized to the load: fewer as the batch widens).",
     "root_only": "Requests' steps that verified their root alone (no draft paid at that load).",
+    "prefix_hits": "Prompts that started with a kept prefix of their client's (--prefix-cache-mb) and copied its KV.",
+    "prefix_tokens": "Prompt tokens whose forward those copies saved.",
 }
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from .calls import ApiError, Call
 from ..runtime.batch import Batch, Running
 from ..runtime.engine import Engine
+from ..runtime.prefixes import PrefixStore
 from .metrics import Metrics
 
 log = logging.getLogger("casspec.serve.app")
@@ -86,9 +87,9 @@ class Scheduler:
     regions instead of spinning)."""
 
     def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, own_thread: bool = True,
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, prefix_mb: int = 0) -> None:
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
-        self.batch = Batch(engine, max_batch)
+        self.batch = Batch(engine, max_batch, prefixes=PrefixStore(prefix_mb << 20) if prefix_mb else None)
         self.joining: Job | None = None  # the job whose generation is starting (its prompt's forward)
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # bounded by submit (None, the stop mark, is not)
         self._submit = threading.Lock()  # makes submit's check-then-put atomic

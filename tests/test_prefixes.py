@@ -57,6 +57,15 @@ def test_a_prompt_takes_its_clients_kept_prefix_after_its_cache_was_taken(engine
             assert other == fresh and reused == 0
 
 
+def test_an_engine_that_reuses_no_prefix_keeps_none():
+    e = tiny_engine("llama", seed=3, kernels="casspec", reuse_prefix=False)
+    kept = PrefixStore(64 << 20)
+    batch = Batch(e, 1, prefixes=kept)
+    prompt, req = [5, 6, 7, 8, 9], Request(max_new_tokens=6, method="ar")
+    assert run(batch, prompt, req)[1] == 0 and run(batch, prompt, req)[1] == 0
+    assert not kept.entries and batch.stats.prefix_hits == 0
+
+
 def cache_of(tokens: list[int]) -> KVCache:
     """A KV cache committed over `tokens`, each slot's values its token (so that a copy can be checked)."""
     cache = KVCache(2, 1, 4, 128, torch.float32)

@@ -146,7 +146,7 @@ class Batch:
         self.running.remove(run)
         run.slot.keep(run.dec.ctx.history)
         run.slot.tenant = run.dec.req.tenant
-        if self.prefixes is not None:
+        if self.prefixes is not None and self.engine.reuse_prefix:  # (kept only where a prompt may take them)
             self.prefixes.keep(run.dec.req.tenant, run.slot.left, run.slot.cache)
         self.free.append(run.slot)
         run.dec.finish()

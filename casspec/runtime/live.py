@@ -15,6 +15,13 @@ from .request import Request
 from .stats import Result, Stats
 
 
+def reusable_prefix(held: Sequence[int], prompt_ids: Sequence[int]) -> int:
+    """How many leading prompt tokens `held` (tokens whose KV is at hand) covers, at most all but the prompt's last:
+    its forward gives the first new token's logits."""
+    n = min(len(held), len(prompt_ids) - 1)
+    return next((i for i in range(n) if held[i] != prompt_ids[i]), max(n, 0))
+
+
 @dataclass
 class CacheSlot:
     """A KV cache and the tokens its committed prefix holds from the generation that used it last."""
@@ -26,10 +33,7 @@ class CacheSlot:
     def reusable(self, prompt_ids: Sequence[int]) -> int:
         """How many leading prompt tokens the cache still holds (at most all but the last: its logits give the
         first token); 0 when anything changed the cache since."""
-        if self.changes != self.cache.changes:
-            return 0
-        n = min(len(self.left), len(prompt_ids) - 1)
-        return next((i for i in range(n) if self.left[i] != prompt_ids[i]), max(n, 0))
+        return reusable_prefix(self.left, prompt_ids) if self.changes == self.cache.changes else 0
 
     def keep(self, history: Sequence[int]) -> None:
         """Note what a generation with this history leaves committed."""

@@ -17,7 +17,7 @@ from torch import Tensor
 from dsia.errors import CasspecError
 from dsia.kvcache import KVCache
 
-from .live import CacheSlot
+from .live import CacheSlot, reusable_prefix
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,6 @@ def check_megabytes(mb: object) -> None:
         raise CasspecError(f"the prefix cache size must be an integer number of MB >= 0 (got {mb!r}); 0 turns it off")
 
 
-def common(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens a and b share."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 class PrefixStore:
     """Kept prefixes per client, at most `max_bytes` of KV in all (least recently used dropped first)."""
 
@@ -58,7 +52,7 @@ class PrefixStore:
         last token: its logits give the first new one)."""
         best, found = 0, None
         for (owner, _), kept in self.entries.items():
-            n = min(common(kept.tokens, prompt_ids), len(prompt_ids) - 1) if owner == tenant else 0
+            n = reusable_prefix(kept.tokens, prompt_ids) if owner == tenant else 0
             if n > best:
                 best, found = n, kept
         return best, found
@@ -76,7 +70,7 @@ class PrefixStore:
         n = len(tokens)
         if n == 0 or self.max_bytes == 0:
             return
-        for (owner, held), kept in list(self.entries.items()):
+        for owner, held in list(self.entries):
             if owner != tenant:
                 continue
             if len(held) >= n and held[:n] == tokens:

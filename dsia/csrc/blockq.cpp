@@ -38,7 +38,6 @@ constexpr int kRowTile = 8;  // rows that share each unpacked block on AVX-512 (
 struct Call {
   const uint8_t* codes;  // [tiles, blocks, f.record()]
   raw::BlockFormat f;
-  int64_t record;  // f.record()
   const uint16_t* d;  // [tiles, blocks / f.super, 16] float16 bits (as GGUF stores a block's scales; widened exactly)
   const uint16_t* m;  // the same, Dm, or nullptr (f.mins 0)
   const int8_t* xq;
@@ -81,7 +80,7 @@ struct Fixed {
            f.super == Super && f.offset == Offset;
   }
 };
-// dsia/blockq.py GGUF_FORMATS
+// dsia/blockq.py FORMATS
 using Q4_0 = Fixed<4, 0, false, false, 0, 1, -8>;
 using Q4_1 = Fixed<4, 0, false, false, 1, 1, 0>;
 using Q5_0 = Fixed<4, 1, false, false, 0, 1, -16>;
@@ -569,8 +568,7 @@ Isa block_isa() {
 
 void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
                  int64_t tile1, Isa isa) {
-  const Call c{w.codes, w.f, w.f.record(), w.d, w.m, a.xq, a.dx, a.xsum, a.xsumf, out, w.N, T, w.K, w.K / kBlock,
-               ldo};
+  const Call c{w.codes, w.f, w.d, w.m, a.xq, a.dx, a.xsum, a.xsumf, out, w.N, T, w.K, w.K / kBlock, ldo};
   range_for<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(c, tile0, tile1, isa);
 }
 

@@ -171,6 +171,12 @@ inline void row_slots(const Visible& seen, int64_t t, RowSlots& out) {
 template <int64_t C>
 constexpr int64_t kHeadsTogether = C == 0 ? 1 : std::max<int64_t>(1, 16 / C);
 
+// the floats of a head's chunk c (16 but in the last chunk of a head dim no multiple of 16); C as attend_impl's
+template <int64_t C>
+[[gnu::always_inline]] inline int64_t chunk_width(int64_t c, int64_t hd) {
+  return C > 0 && C * kLanes == hd ? kLanes : std::min(kLanes, hd - c * kLanes);
+}
+
 // U heads' weighted sums of the values a row sees (head u's numerators p[u] in the row's order of slots, their sum
 // total[u]), each head adding its terms in position order: out + u * hd
 template <int64_t U, int64_t C, class KV>
@@ -178,7 +184,7 @@ template <int64_t U, int64_t C, class KV>
                                                    int64_t v_stride, int64_t hd, const float* total, float* out) {
   constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
   const int64_t chunks = C > 0 ? C : (hd + kLanes - 1) / kLanes;
-  auto width = [&](int64_t c) { return C > 0 && C * kLanes == hd ? kLanes : std::min(kLanes, hd - c * kLanes); };
+  auto width = [&](int64_t c) { return chunk_width<C>(c, hd); };
   v16 acc[U][C > 0 ? C : kMaxChunks];
 #pragma GCC unroll 16
   for (int64_t u = 0; u < U; ++u) {
@@ -223,9 +229,8 @@ template <int64_t C, class KV, bool Wide>
                                                int64_t k_stride, const KV* values, int64_t v_stride,
                                                const Visible& seen, int64_t r0, int64_t r1, int64_t G, int64_t hd,
                                                float scale, float* out, int64_t out_row) {
-  constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
   const int64_t chunks = C > 0 ? C : (hd + kLanes - 1) / kLanes, R = r1 - r0;
-  auto width = [&](int64_t c) { return C > 0 && C * kLanes == hd ? kLanes : std::min(kLanes, hd - c * kLanes); };
+  auto width = [&](int64_t c) { return chunk_width<C>(c, hd); };
   // row r sees slots[r]; its scores are G runs of padded[r] floats (its count rounded up to 16) from first[r]
   std::vector<RowSlots> slots(R);
   std::vector<int64_t> first(R + 1, 0), padded(R);

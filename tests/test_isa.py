@@ -25,9 +25,9 @@ TREE = [-1, 0, 0, 1, 2, 2, 4]  # a verification's parents
 @torch.inference_mode()
 def outputs() -> dict[str, torch.Tensor]:
     """Logits of a prefill, a tree's verification and one-token steps of tiny float32 and bfloat16 targets on
-    casspec's products and ops, block products of every kind over 1-9 rows, the MLP's silu(gate) * up, and attention
-    over heads of 64 and 128 floats."""
-    from dsia.blockq import FORMATS, BlockLinear
+    casspec's products and ops, block products of every GGUF kind and of the int3 / int2 levels' over 1-9 rows, the
+    MLP's silu(gate) * up, and attention over heads of 64 and 128 floats."""
+    from dsia.blockq import FORMATS, BlockLinear, q2_blocks, q3_blocks
     from test_blockq import random_blocks
     from dytc.tree import ancestor_mask, position_ids
     from tiny import tiny_engine
@@ -50,6 +50,9 @@ def outputs() -> dict[str, torch.Tensor]:
         w = random_blocks(fmt, 40, 512, gen)
         k = BlockLinear(w["u"], fmt, w["D"], w["Dm"], w["a"], w["b"])
         out[f"blocks {kind}"] = torch.cat([k(torch.randn(T, 512, generator=gen)) for T in range(1, 10)])
+    for name, make in (("int3", q3_blocks), ("int2", q2_blocks)):  # (formats of no GGUF type: read at run time)
+        k = make(torch.randn(40, 576, generator=gen) * 0.05)
+        out[f"blocks {name}"] = torch.cat([k(torch.randn(T, 576, generator=gen)) for T in range(1, 10)])
     for hd in (64, 128):  # (heads of 64 and 128 floats: AVX-512 scores a block of 16 keys a row sees at once)
         q = torch.randn(6, 3, hd, generator=gen)
         keys, values = torch.randn(2, 60, hd, generator=gen), torch.randn(2, 60, hd, generator=gen)
@@ -85,7 +88,7 @@ def run_child(tmp_path: Path, isa: str | None) -> dict[str, torch.Tensor]:
 def test_the_plain_and_avx2_paths_give_the_widest_paths_bits(tmp_path):
     """(On a machine without AVX-512 the avx2 child runs the widest path again; without AVX2, the plain one.)"""
     widest = run_child(tmp_path, None)
-    assert len(widest) == 22
+    assert len(widest) == 24
     for isa in ("avx2", "plain"):
         other = run_child(tmp_path, isa)
         assert other.keys() == widest.keys()

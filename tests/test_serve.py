@@ -360,6 +360,7 @@ def test_eight_concurrent_clients_get_what_each_request_gives_alone(url, engine)
     (["--levels", "int4,warp9"], "warp9"),
     (["--max-queue", "0"], "max_queue must be an integer >= 1"),
     (["--max-batch", "0"], "max_batch must be an integer >= 1"),
+    (["--prefix-cache-mb", "-1"], "the prefix cache size must be an integer number of MB >= 0 (got -1)"),
     (["--replicas", "2"], "--replicas and --max-replicas run engine replicas on Ray Serve: add --ray"),
     (["--ray", "--replicas", "0"], "--replicas must be >= 1"),
     (["--ray", "--replicas", "2", "--max-replicas", "1"], "--max-replicas >= --replicas (got 2 and 1)"),

@@ -11,6 +11,7 @@ from casspec.runtime.engine import Engine
 from casspec.loading.ggufcodes import QUANT_TYPES, Codes, decode, random_blocks
 from casspec.loading.native import kernel
 from casspec.runtime.request import Request
+from dsia import blockq
 from dsia.blockq import BlockLinear
 from dsia.cxx import build_error
 from dsia.errors import CasspecError
@@ -52,6 +53,21 @@ def test_the_kernels_blocks_dequantize_and_give_rows_as_the_file_does(kind):
     assert torch.equal(k.dequantize(), codes.dequantize())
     idx = torch.tensor([5, 0, 36, 17, 5, 16])
     assert torch.equal(k.rows(idx), codes.dequantize()[idx])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(("Q4_1", "Q8_0", "Q6_K")), st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=70),
+                                                          min_size=1, max_size=12))
+def test_rows_read_a_few_at_a_time_are_the_dequantized_rows_whatever_was_read_before(monkeypatch, kind, calls):
+    """The rows of a few at a time (an embedding's in a step) come from kept tiles: every call's rows the file's
+    dequantization, across hits, misses, evictions past the bound and calls too large to keep."""
+    monkeypatch.setattr(blockq, "TILES_KEPT", 3)
+    _, codes = codes_of(kind, 100, 256, 7)
+    k, full = codes.kernel(), codes.dequantize()
+    for call in calls:
+        idx = torch.tensor(call)
+        assert torch.equal(k.rows(idx), full[idx])
+        assert len(blockq._KEPT.get(k, ())) <= 3
 
 
 @pytest.mark.parametrize("kind", QUANT_TYPES)

@@ -204,7 +204,7 @@ class BlockLinear:
         tiles, lanes = tiles.tolist(), lanes.tolist()
         if missing := sorted(set(tiles) - kept.keys()):
             for t, w in zip(missing, self.dequantize(torch.tensor(missing)).view(len(missing), TILE, -1)):
-                kept[t] = w
+                kept[t] = w.clone()  # (its own memory: a view would hold the whole call's tiles past its eviction)
         rows = torch.stack([kept[t][lane] for t, lane in zip(tiles, lanes)])  # [n, in]
         for t in tiles:
             kept.move_to_end(t)

@@ -67,7 +67,9 @@ def test_rows_read_a_few_at_a_time_are_the_dequantized_rows_whatever_was_read_be
     for call in calls:
         idx = torch.tensor(call)
         assert torch.equal(k.rows(idx), full[idx])
-        assert len(blockq._KEPT.get(k, ())) <= 3
+        kept = blockq._KEPT.get(k, {})
+        assert len(kept) <= 3  # (and each kept tile holds its own 16 rows' memory, no more: the bound is of bytes too)
+        assert all(w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in kept.values())
 
 
 @pytest.mark.parametrize("kind", QUANT_TYPES)

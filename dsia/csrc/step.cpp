@@ -351,31 +351,34 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, const st
         }
       }
 #pragma omp barrier
-      {  // attention, a query head's block of rows of a part at a time (and its outputs' 8-bit blocks); the items
-         // dealt out in turn, not in runs: a prompt's later rows see more keys, and a run of them on one thread
-         // kept the other waiting
-        const int64_t items = H * static_cast<int64_t>(row_blocks.size());
+      {  // attention, a KV head's query heads over a part's block of rows at a time (and their outputs' 8-bit
+         // blocks); the items dealt out in turn, not in runs: a prompt's later rows see more keys, and a run of them
+         // on one thread kept the other waiting. A KV head's G query heads go together, so that one thread reads its
+         // keys and values once for all of them (one query head an item, both threads read every KV head of every
+         // sequence: a batched step over 7 sequences at 300 positions took 12-14 ms against 17-18 without them, a
+         // 769-token prompt's prefill 0.85 s against 1.64, on a 2-core AMD EPYC); the same bits either way
+        const int64_t items = Hkv * static_cast<int64_t>(row_blocks.size());
         for (int64_t item = tid; item < items; item += n) {
-          const int64_t head = item % H, g = head / G;
-          const auto [j, r0, r1] = row_blocks[item / H];
+          const int64_t g = item % Hkv, head = g * G;  // its KV head, its first query head
+          const auto [j, r0, r1] = row_blocks[item / Hkv];
           const Part& p = ps[j];
           const int64_t layer_at = (i * Hkv + g) * p.S * hd;  // its layer's KV head in the part's caches
           const float* qp = Q + p.row0 * HD + head * hd;  // the part's row 0
           float* out = A + p.row0 * HD + head * hd;
           if (bf16) {  // (its outputs rounded to bfloat16, as the op's are)
             raw::attend(qp, HD, p.k16 + layer_at, p.v16 + layer_at, hd, p.seen, p.rows, p.end, r0 - p.row0,
-                        r1 - p.row0, 1, hd, scale, out, HD);
+                        r1 - p.row0, G, hd, scale, out, HD);
             for (int64_t t = r0; t < r1; ++t) {
-              raw::round_bf16(A + t * HD + head * hd, hd);
+              raw::round_bf16(A + t * HD + head * hd, G * hd);
             }
           } else {
             raw::attend(qp, HD, p.k + layer_at, p.v + layer_at, hd, p.seen, p.rows, p.end, r0 - p.row0, r1 - p.row0,
-                        1, hd, scale, out, HD);
+                        G, hd, scale, out, HD);
           }
           if (layer.o.quantized && head_blocks) {
             for (int64_t t = r0; t < r1; ++t) {
               const int64_t first = (t * HD + head * hd) / raw::kBlockInputs;
-              raw::quantize_blocks(A, acts, first, first + hd / raw::kBlockInputs);
+              raw::quantize_blocks(A, acts, first, first + G * hd / raw::kBlockInputs);
             }
           }
         }

@@ -3,8 +3,13 @@
 // and w = D a (u + offset) + Dm b, a and b integers per sub-block, D and Dm float16 per super-block), times the
 // activations quantized per row and block of 32 to 8 bits (dx per block, as llama.cpp's q8_0). Per row, output and
 // block, in integers (exact): lo, hi = each half block's u . xq (+ offset times the half's sum of xq); S = a0 lo +
-// a1 hi; then in float32, two fused multiply-adds into one accumulator in block order:
-//   acc = fma(float(S), D dx, acc);  acc = fma(B, Dm dx, acc),  B = b0 xsum0 + b1 xsum1 (exact in float32)
+// a1 hi (a0 (lo + hi), one sum, where a block is one sub-block); then in float32, two fused multiply-adds into one
+// accumulator in block order:
+//   acc = fma(float(S), D dx, acc);  then one sub-block:  acc = fma(Dm b0, dxsum, acc),  dxsum = dx (xsum0 + xsum1)
+//                                         two:            acc = fma(B, Dm dx, acc),  B = b0 xsum0 + b1 xsum1
+// (Dm b0 (b0 = 1 without sub-block mins) and B are exact in float32; dxsum is rounded once, where the activations are
+// quantized, so that most formats' minimum term is one multiply-add a row: the float work a row and block is most of
+// an AVX-512 VNNI path's time besides its 8 integer products.)
 //
 // Outputs go 16 at a time, one per float lane (dsia/blockq.py lays the codes out so: per tile of 16 outputs and
 // block, 8 groups of 4 inputs, each group's 4 bytes for every output side by side), so nothing is summed across
@@ -43,7 +48,7 @@ struct Call {
   const int8_t* xq;
   const float* dx;
   const int32_t* xsum;
-  const float* xsumf;  // [T, blocks]: each block's xsum0 + xsum1 as a float
+  const float* dxsum;  // [T, blocks]: each block's dx (xsum0 + xsum1)
   float* out;  // [T, N], rows ldo apart
   int64_t N, T, K, blocks, ldo;
 
@@ -173,12 +178,14 @@ template <int R>
           S = H == 2 ? a[lane] * half[0] + a[16 + lane] * half[1] : a[lane] * S;
         }
         acc[r][lane] = std::fma(static_cast<float>(S), half_to_float(c.d[s + lane]) * dx, acc[r][lane]);
-        if (c.f.mins != 0) {
-          const float B = c.f.mins == 1    ? static_cast<float>(xs0 + xs1)
-                          : H == 2         ? static_cast<float>(bm[lane]) * static_cast<float>(xs0) +
-                                         static_cast<float>(bm[16 + lane]) * static_cast<float>(xs1)
-                                           : static_cast<float>(bm[lane]) * static_cast<float>(xs0 + xs1);
-          acc[r][lane] = std::fma(B, half_to_float(c.m[s + lane]) * dx, acc[r][lane]);
+        const float m = c.f.mins != 0 ? half_to_float(c.m[s + lane]) : 0.f;
+        if (c.f.mins != 0 && H == 2 && c.f.mins == 2) {
+          const float B = static_cast<float>(bm[lane]) * static_cast<float>(xs0) +
+                          static_cast<float>(bm[16 + lane]) * static_cast<float>(xs1);
+          acc[r][lane] = std::fma(B, m * dx, acc[r][lane]);
+        } else if (c.f.mins != 0) {
+          const float mb = c.f.mins == 1 ? m : m * static_cast<float>(bm[lane]);
+          acc[r][lane] = std::fma(mb, c.dxsum[t * c.blocks + b], acc[r][lane]);
         }
       }
     }
@@ -260,12 +267,15 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
         b1 = two ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bp + 16))))
                  : b0;
       }
+      const __m256 mb = f.mins == 2 && !two ? _mm256_mul_ps(m, b0) : m;  // Dm b0 (exact)
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t t = t0 + r;
         const int8_t* x = c.xq + t * c.K + b * kBlock;
         const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
-        __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        // (one sum over the block where it has one sub-block, the offset's term in it from the start)
+        __m256i half[2] = {two ? _mm256_set1_epi32(offset * xs0) : _mm256_set1_epi32(offset * (xs0 + xs1)),
+                           _mm256_set1_epi32(offset * xs1)};
 #pragma GCC unroll 8
         for (int64_t g = 0; g < kGroups; ++g) {
           int32_t four;
@@ -275,25 +285,20 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
             xv = _mm256_sign_epi8(xv, wv);
             wv = _mm256_abs_epi8(wv);
           }
-          half[g / 4] = _mm256_add_epi32(half[g / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+          const int64_t into = two ? g / 4 : 0;
+          half[into] = _mm256_add_epi32(half[into], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
         }
-        const __m256i lo = _mm256_add_epi32(half[0], _mm256_set1_epi32(offset * xs0));
-        const __m256i hi = _mm256_add_epi32(half[1], _mm256_set1_epi32(offset * xs1));
-        const __m256i S = two ? _mm256_add_epi32(_mm256_mullo_epi32(a0, lo), _mm256_mullo_epi32(a1, hi))
-                              : _mm256_mullo_epi32(a0, _mm256_add_epi32(lo, hi));
+        const __m256i S = !two      ? (f.scaled ? _mm256_mullo_epi32(a0, half[0]) : half[0])
+                          : f.scaled ? _mm256_add_epi32(_mm256_mullo_epi32(a0, half[0]), _mm256_mullo_epi32(a1, half[1]))
+                                     : _mm256_add_epi32(half[0], half[1]);
         const __m256 dx = _mm256_set1_ps(c.dx[t * c.blocks + b]);
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, dx), acc[r][h]);
-        if (f.mins != 0) {
-          __m256 B;
-          if (f.mins == 1) {
-            B = _mm256_set1_ps(c.xsumf[t * c.blocks + b]);
-          } else if (two) {
-            B = _mm256_add_ps(_mm256_mul_ps(b0, _mm256_set1_ps(static_cast<float>(xs0))),
-                              _mm256_mul_ps(b1, _mm256_set1_ps(static_cast<float>(xs1))));
-          } else {
-            B = _mm256_mul_ps(b0, _mm256_set1_ps(c.xsumf[t * c.blocks + b]));
-          }
+        if (f.mins == 2 && two) {
+          const __m256 B = _mm256_add_ps(_mm256_mul_ps(b0, _mm256_set1_ps(static_cast<float>(xs0))),
+                                         _mm256_mul_ps(b1, _mm256_set1_ps(static_cast<float>(xs1))));
           acc[r][h] = _mm256_fmadd_ps(B, _mm256_mul_ps(m, dx), acc[r][h]);
+        } else if (f.mins != 0) {
+          acc[r][h] = _mm256_fmadd_ps(mb, _mm256_set1_ps(c.dxsum[t * c.blocks + b]), acc[r][h]);
         }
       }
     }
@@ -365,33 +370,58 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
       b1 = two ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 16))))
                : b0;
     }
+    const __m512 mb = f.mins == 2 && !two ? _mm512_mul_ps(m, b0) : m;  // Dm b0 (exact)
+    // S per row: one sum over the block where it has one sub-block (the offset's term in it from the start), the
+    // rows' chains of 8 products interleaved (one row's chain after another waited on each product's latency); lo
+    // and hi per row where it has two
+    __m512i S[R];
+    if (!two) {
+      const int8_t* x0 = c.xq + t0 * c.K + b * kBlock;  // row t0's block b; row t0 + r's lies r K further
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xs = c.xsum + (t0 + r) * 2 * c.blocks + 2 * b;
+        S[r] = _mm512_set1_epi32(f.offset * (xs[0] + xs[1]));
+      }
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < kGroups; ++g) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {  // (each group's 4 activation bytes broadcast from memory)
+          const alias_i32* x4 = reinterpret_cast<const alias_i32*>(x0 + r * c.K);
+          S[r] = _mm512_dpbusd_epi32(S[r], w[g], _mm512_set1_epi32(x4[g]));
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        S[r] = f.scaled ? _mm512_mullo_epi32(a0, S[r]) : S[r];
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t t = t0 + r;
+        const alias_i32* x4 = reinterpret_cast<const alias_i32*>(c.xq + t * c.K + b * kBlock);  // [8] groups of 4
+        const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
+        __m512i lo = _mm512_set1_epi32(f.offset * xs0), hi = _mm512_set1_epi32(f.offset * xs1);
+#pragma GCC unroll 4
+        for (int64_t g = 0; g < kGroups / 2; ++g) {
+          lo = _mm512_dpbusd_epi32(lo, w[g], _mm512_set1_epi32(x4[g]));
+          hi = _mm512_dpbusd_epi32(hi, w[g + 4], _mm512_set1_epi32(x4[g + 4]));
+        }
+        S[r] = f.scaled ? _mm512_add_epi32(_mm512_mullo_epi32(a0, lo), _mm512_mullo_epi32(a1, hi))
+                        : _mm512_add_epi32(lo, hi);
+      }
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t t = t0 + r;
-      const alias_i32* x4 = reinterpret_cast<const alias_i32*>(c.xq + t * c.K + b * kBlock);  // [8] groups of 4
-      const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
-      __m512i lo = _mm512_set1_epi32(f.offset * xs0), hi = _mm512_set1_epi32(f.offset * xs1);
-#pragma GCC unroll 4
-      for (int64_t g = 0; g < kGroups / 2; ++g) {  // (each group's 4 activation bytes broadcast from memory)
-        lo = _mm512_dpbusd_epi32(lo, w[g], _mm512_set1_epi32(x4[g]));  // (an embedded broadcast of x's 4 bytes)
-        hi = _mm512_dpbusd_epi32(hi, w[g + 4], _mm512_set1_epi32(x4[g + 4]));
-      }
-      const __m512i S = !f.scaled ? _mm512_add_epi32(lo, hi)
-                        : two        ? _mm512_add_epi32(_mm512_mullo_epi32(a0, lo), _mm512_mullo_epi32(a1, hi))
-                                     : _mm512_mullo_epi32(a0, _mm512_add_epi32(lo, hi));
       const __m512 dx = _mm512_set1_ps(c.dx[t * c.blocks + b]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, dx), acc[r]);
-      if (f.mins != 0) {
-        __m512 B;
-        if (f.mins == 1) {
-          B = _mm512_set1_ps(c.xsumf[t * c.blocks + b]);
-        } else if (two) {
-          B = _mm512_add_ps(_mm512_mul_ps(b0, _mm512_set1_ps(static_cast<float>(xs0))),
-                            _mm512_mul_ps(b1, _mm512_set1_ps(static_cast<float>(xs1))));
-        } else {
-          B = _mm512_mul_ps(b0, _mm512_set1_ps(c.xsumf[t * c.blocks + b]));
-        }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[r]), _mm512_mul_ps(d, dx), acc[r]);
+      if (f.mins == 2 && two) {
+        const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
+        const __m512 B = _mm512_add_ps(_mm512_mul_ps(b0, _mm512_set1_ps(static_cast<float>(xs0))),
+                                       _mm512_mul_ps(b1, _mm512_set1_ps(static_cast<float>(xs1))));
         acc[r] = _mm512_fmadd_ps(B, _mm512_mul_ps(m, dx), acc[r]);
+      } else if (f.mins != 0) {
+        acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(c.dxsum[t * c.blocks + b]), acc[r]);
       }
     }
   }
@@ -478,10 +508,40 @@ void range_for(const Call& c, int64_t tile0, int64_t tile1, Isa isa) {
 
 typedef float f16v __attribute__((vector_size(64), aligned(4)));  // 16 floats (unaligned loads and stores)
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+typedef int8_t i8x16v __attribute__((vector_size(16), aligned(1)));
+
+// lanes 8-15 over lanes 0-7, 4-7 over 0-3, 2-3 over 0-1, 1 over 0 (a fold in halves)
+constexpr i16v kHalf8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+constexpr i16v kHalf4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+constexpr i16v kHalf2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+constexpr i16v kHalf1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+
+// the largest of 16 lanes, each >= 0 and none NaN (exact in any order)
+[[gnu::always_inline]] inline float max_lanes(f16v v) {
+  f16v w = __builtin_shuffle(v, kHalf8);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, kHalf4);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, kHalf2);
+  v = v > w ? v : w;
+  w = __builtin_shuffle(v, kHalf1);
+  v = v > w ? v : w;
+  return v[0];
+}
+
+// the sum of 16 integer lanes (exact in any order: wrapping sums)
+[[gnu::always_inline]] inline int32_t sum_lanes(i16v v) {
+  v += __builtin_shuffle(v, kHalf8);
+  v += __builtin_shuffle(v, kHalf4);
+  v += __builtin_shuffle(v, kHalf2);
+  v += __builtin_shuffle(v, kHalf1);
+  return v[0];
+}
 
 // per block: dx = max |x| / 127, xq = x / dx rounded to nearest (even: adding and subtracting 1.5 * 2^23 rounds a
 // float below 2^22 so, as nearbyint does), each half block's sum of xq. 16 lanes at a time in every path: the
-// same operations, each exact or correctly rounded, so the same bits.
+// same operations, each exact or correctly rounded, so the same bits (the lanes' largest and sum taken in halves,
+// not lane by lane: a quantization was a tenth of a native batched forward, one value a nanosecond, on an AMD EPYC).
 [[gnu::always_inline]] inline void quantize_impl(const float* x, const raw::BlockActs& a, int64_t b0, int64_t b1) {
   const f16v big = f16v{} + 12582912.0f;
   const i16v magnitude = i16v{} + 0x7fffffff;
@@ -494,23 +554,17 @@ typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
       const f16v mag = reinterpret_cast<f16v&>(bits);
       top16 = mag > top16 ? mag : top16;  // (a NaN is passed over, as std::max(top, NaN) keeps top)
     }
-    float top = 0.f;
-    for (int i = 0; i < 16; ++i) {
-      top = std::max(top, top16[i]);
-    }
+    const float top = max_lanes(top16);
     const float scale = top / 127.f;
     const float inv = scale != 0.f ? 1.f / scale : 0.f;
     int8_t* q = a.xq + at * kBlock;
     for (int h = 0; h < 2; ++h) {
       const i16v r = __builtin_convertvector((v[h] * inv + big) - big, i16v);
-      int32_t total = 0;
-      for (int i = 0; i < 16; ++i) {
-        q[16 * h + i] = static_cast<int8_t>(r[i]);
-        total += r[i];
-      }
-      a.xsum[2 * at + h] = total;
+      const i8x16v bytes = __builtin_convertvector(r, i8x16v);  // (each r's low byte: |r| <= 127)
+      std::memcpy(q + 16 * h, &bytes, sizeof(bytes));
+      a.xsum[2 * at + h] = sum_lanes(r);
     }
-    a.xsumf[at] = static_cast<float>(a.xsum[2 * at] + a.xsum[2 * at + 1]);
+    a.dxsum[at] = scale * static_cast<float>(a.xsum[2 * at] + a.xsum[2 * at + 1]);
     a.dx[at] = scale;
   }
 }
@@ -568,7 +622,7 @@ Isa block_isa() {
 
 void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
                  int64_t tile1, Isa isa) {
-  const Call c{w.codes, w.f, w.d, w.m, a.xq, a.dx, a.xsum, a.xsumf, out, w.N, T, w.K, w.K / kBlock, ldo};
+  const Call c{w.codes, w.f, w.d, w.m, a.xq, a.dx, a.xsum, a.dxsum, out, w.N, T, w.K, w.K / kBlock, ldo};
   range_for<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(c, tile0, tile1, isa);
 }
 
@@ -601,9 +655,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor xq = x.new_empty({T, K}, x.options().dtype(at::kChar));
   at::Tensor dx = x.new_empty({T, blocks});
   at::Tensor xsum = x.new_empty({T, 2 * blocks}, x.options().dtype(at::kInt));
-  at::Tensor xsumf = x.new_empty({T, blocks});
+  at::Tensor dxsum = x.new_empty({T, blocks});
   const raw::BlockActs acts{xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xsum.data_ptr<int32_t>(),
-                            xsumf.data_ptr<float>()};
+                            dxsum.data_ptr<float>()};
   raw::quantize_blocks(xc.data_ptr<float>(), acts, 0, T * blocks);
   at::Tensor out = x.new_empty({T, n});
   const uint16_t* d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());

@@ -158,12 +158,12 @@ struct Blocks {
   int64_t N, K;
 };
 // a block product's activations: xq [T, K] int8, and per row and block dx [T, K / 32], per half block (16 inputs)
-// the sum of its xq, xsum [T, K / 16], and per block the sum of both halves' as a float (exact), xsumf [T, K / 32]
+// the sum of its xq, xsum [T, K / 16], and per block dx times the sum of both halves' (rounded once), dxsum [T, K / 32]
 struct BlockActs {
   int8_t* xq;
   float* dx;
   int32_t* xsum;
-  float* xsumf;
+  float* dxsum;
 };
 constexpr int64_t kBlockInputs = 32;  // inputs per block
 // blocks [b0, b1) of contiguous rows x [T, K] (block b: inputs [32 b, 32 b + 32) of x, and of a.xq), quantized to

@@ -250,9 +250,9 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, const st
   at::Tensor xq = x_in.new_empty({T * widest_}, f.dtype(at::kChar));
   at::Tensor scales = x_in.new_empty({T * widest_ / raw::kBlockInputs}, f);
   at::Tensor sums = x_in.new_empty({2 * T * widest_ / raw::kBlockInputs}, f.dtype(at::kInt));
-  at::Tensor block_sums = x_in.new_empty({T * widest_ / raw::kBlockInputs}, f);
+  at::Tensor dxsums = x_in.new_empty({T * widest_ / raw::kBlockInputs}, f);
   const raw::BlockActs acts{xq.data_ptr<int8_t>(), scales.data_ptr<float>(), sums.data_ptr<int32_t>(),
-                            block_sums.data_ptr<float>()};
+                            dxsums.data_ptr<float>()};
   float* X = x.data_ptr<float>();
   float* Dl = delta.data_ptr<float>();
   float* Hn = h.data_ptr<float>();

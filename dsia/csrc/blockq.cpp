@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "ops.h"
+#include "vec16.h"
 
 namespace casspec {
 namespace {
@@ -178,7 +179,7 @@ template <int R>
         }
         acc[r][lane] = std::fma(static_cast<float>(S), half_to_float(c.d[s + lane]) * dx, acc[r][lane]);
         const float m = c.f.mins != 0 ? half_to_float(c.m[s + lane]) : 0.f;
-        if (c.f.mins != 0 && H == 2 && c.f.mins == 2) {
+        if (c.f.mins == 2 && H == 2) {
           const float B = static_cast<float>(bm[lane]) * static_cast<float>(xs0) +
                           static_cast<float>(bm[16 + lane]) * static_cast<float>(xs1);
           acc[r][lane] = std::fma(B, m * dx, acc[r][lane]);
@@ -287,9 +288,10 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void rows_avx2(co
           const int64_t into = two ? g / 4 : 0;
           half[into] = _mm256_add_epi32(half[into], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
         }
-        const __m256i S = !two      ? (f.scaled ? _mm256_mullo_epi32(a0, half[0]) : half[0])
-                          : f.scaled ? _mm256_add_epi32(_mm256_mullo_epi32(a0, half[0]), _mm256_mullo_epi32(a1, half[1]))
-                                     : _mm256_add_epi32(half[0], half[1]);
+        const __m256i S =
+            !two       ? (f.scaled ? _mm256_mullo_epi32(a0, half[0]) : half[0])
+            : f.scaled ? _mm256_add_epi32(_mm256_mullo_epi32(a0, half[0]), _mm256_mullo_epi32(a1, half[1]))
+                       : _mm256_add_epi32(half[0], half[1]);
         const __m256 dx = _mm256_set1_ps(c.dx[t * c.blocks + b]);
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, dx), acc[r][h]);
         if (f.mins == 2 && two) {
@@ -504,63 +506,33 @@ void range_for(const Call& c, int64_t tile0, int64_t tile1, Isa isa) {
 }
 
 
-typedef float f16v __attribute__((vector_size(64), aligned(4)));  // 16 floats (unaligned loads and stores)
-typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
-typedef int8_t i8x16v __attribute__((vector_size(16), aligned(1)));
-
-// lanes 8-15 over lanes 0-7, 4-7 over 0-3, 2-3 over 0-1, 1 over 0 (a fold in halves)
-constexpr i16v kHalf8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-constexpr i16v kHalf4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-constexpr i16v kHalf2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-constexpr i16v kHalf1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-
-// the largest of 16 lanes, each >= 0 and none NaN (exact in any order)
-[[gnu::always_inline]] inline float max_lanes(f16v v) {
-  f16v w = __builtin_shuffle(v, kHalf8);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, kHalf4);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, kHalf2);
-  v = v > w ? v : w;
-  w = __builtin_shuffle(v, kHalf1);
-  v = v > w ? v : w;
-  return v[0];
-}
-
-// the sum of 16 integer lanes (exact in any order: wrapping sums)
-[[gnu::always_inline]] inline int32_t sum_lanes(i16v v) {
-  v += __builtin_shuffle(v, kHalf8);
-  v += __builtin_shuffle(v, kHalf4);
-  v += __builtin_shuffle(v, kHalf2);
-  v += __builtin_shuffle(v, kHalf1);
-  return v[0];
-}
+typedef int8_t i8x16v __attribute__((vector_size(16), aligned(1)));  // 16 bytes
 
 // per block: dx = max |x| / 127, xq = x / dx rounded to nearest (even: adding and subtracting 1.5 * 2^23 rounds a
 // float below 2^22 so, as nearbyint does), each half block's sum of xq. 16 lanes at a time in every path: the
 // same operations, each exact or correctly rounded, so the same bits (the lanes' largest and sum taken in halves,
 // not lane by lane, which took a nanosecond a value on an AMD EPYC: 1.05 -> 1.5 G values/s).
 [[gnu::always_inline]] inline void quantize_impl(const float* x, const raw::BlockActs& a, int64_t b0, int64_t b1) {
-  const f16v big = f16v{} + 12582912.0f;
-  const i16v magnitude = i16v{} + 0x7fffffff;
+  const v16 big = v16{} + 12582912.0f;
+  const i16 magnitude = i16{} + 0x7fffffff;
   for (int64_t at = b0; at < b1; ++at) {  // (block `at` of the rows' blocks: its inputs lie at x + at * 32)
-    f16v v[2];
+    v16 v[2];
     std::memcpy(v, x + at * kBlock, sizeof(v));
-    f16v top16 = {};
+    v16 top16 = {};
     for (int h = 0; h < 2; ++h) {
-      i16v bits = reinterpret_cast<i16v&>(v[h]) & magnitude;
-      const f16v mag = reinterpret_cast<f16v&>(bits);
+      i16 bits = reinterpret_cast<i16&>(v[h]) & magnitude;
+      const v16 mag = reinterpret_cast<v16&>(bits);
       top16 = mag > top16 ? mag : top16;  // (a NaN is passed over, as std::max(top, NaN) keeps top)
     }
-    const float top = max_lanes(top16);
+    const float top = fold_max(top16);
     const float scale = top / 127.f;
     const float inv = scale != 0.f ? 1.f / scale : 0.f;
     int8_t* q = a.xq + at * kBlock;
     for (int h = 0; h < 2; ++h) {
-      const i16v r = __builtin_convertvector((v[h] * inv + big) - big, i16v);
+      const i16 r = __builtin_convertvector((v[h] * inv + big) - big, i16);
       const i8x16v bytes = __builtin_convertvector(r, i8x16v);  // (each r's low byte: |r| <= 127)
       std::memcpy(q + 16 * h, &bytes, sizeof(bytes));
-      a.xsum[2 * at + h] = sum_lanes(r);
+      a.xsum[2 * at + h] = fold(r);
     }
     a.dxsum[at] = scale * static_cast<float>(a.xsum[2 * at] + a.xsum[2 * at + 1]);
     a.dx[at] = scale;

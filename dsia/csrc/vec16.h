@@ -1,8 +1,10 @@
 // Sixteen floats as one vector (GCC's vector extensions: one AVX-512 register, two AVX2 ones, or sixteen scalars,
 // whichever the calling function is built for), and the few things done with them by more than one file: loads and
-// stores of a row's 16-float chunks (a short tail through the same lanes), a fixed-order fold of the lanes, and e^x.
-// Included by ops.cpp (a forward's small steps) and rowtop.cpp (a row's top k and log-sum-exp). Every function is
-// inlined into its caller, so each instruction set's path of the caller gets its own code.
+// stores of a row's 16-float chunks (a short tail through the same lanes), fixed-order folds of the lanes (their sum,
+// their largest), and e^x.
+// Included by ops.cpp (a forward's small steps), rowtop.cpp (a row's top k and log-sum-exp) and blockq.cpp (its
+// activations' quantization). Every function is inlined into its caller, so each instruction set's path of the caller
+// gets its own code.
 #pragma once
 
 #include <cstdint>
@@ -53,12 +55,36 @@ typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
   }
 }
 
+// a fold in halves: lane i + 8 over lane i, then + 4, + 2, + 1
+constexpr i16 kHalf8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+constexpr i16 kHalf4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+constexpr i16 kHalf2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+constexpr i16 kHalf1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+
 // the lanes' sum, folded in halves: lane i + lane i + 8, then + 4, + 2, + 1
 [[gnu::always_inline]] inline float fold(v16 v) {
-  v = v + __builtin_shuffle(v, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v = v + __builtin_shuffle(v, i16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v = v + __builtin_shuffle(v, i16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v = v + __builtin_shuffle(v, i16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  v = v + __builtin_shuffle(v, kHalf8);
+  v = v + __builtin_shuffle(v, kHalf4);
+  v = v + __builtin_shuffle(v, kHalf2);
+  v = v + __builtin_shuffle(v, kHalf1);
+  return v[0];
+}
+
+// the integer lanes' sum, folded the same way (exact in any order: wrapping sums)
+[[gnu::always_inline]] inline int32_t fold(i16 v) {
+  v += __builtin_shuffle(v, kHalf8);
+  v += __builtin_shuffle(v, kHalf4);
+  v += __builtin_shuffle(v, kHalf2);
+  v += __builtin_shuffle(v, kHalf1);
+  return v[0];
+}
+
+// the largest lane, folded the same way; for lanes that are none NaN (then exact in any order)
+[[gnu::always_inline]] inline float fold_max(v16 v) {
+  v = v > __builtin_shuffle(v, kHalf8) ? v : __builtin_shuffle(v, kHalf8);
+  v = v > __builtin_shuffle(v, kHalf4) ? v : __builtin_shuffle(v, kHalf4);
+  v = v > __builtin_shuffle(v, kHalf2) ? v : __builtin_shuffle(v, kHalf2);
+  v = v > __builtin_shuffle(v, kHalf1) ? v : __builtin_shuffle(v, kHalf1);
   return v[0];
 }
 

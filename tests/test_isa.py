@@ -73,20 +73,24 @@ def outputs() -> dict[str, torch.Tensor]:
     return out
 
 
-def start_child(tmp_path: Path, isa: str | None) -> tuple[subprocess.Popen, Path]:
+def start_child(tmp_path: Path, isa: str | None) -> tuple[subprocess.Popen, Path, Path]:
     env = {k: v for k, v in os.environ.items() if k != "CASSPEC_ISA"}
     if isa is not None:
         env["CASSPEC_ISA"] = isa
-    path = tmp_path / f"out-{isa}.pt"
+    path, err = tmp_path / f"out-{isa}.pt", tmp_path / f"err-{isa}.txt"
     code = f"import torch, test_isa; torch.save(test_isa.outputs(), {str(path)!r})"
-    return subprocess.Popen([sys.executable, "-c", code], cwd=HERE, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True), path
+    with open(err, "w") as sink:  # (a file, not a pipe: the children run at once, and a full pipe would stall one)
+        return subprocess.Popen([sys.executable, "-c", code], cwd=HERE, env=env, stdout=subprocess.DEVNULL,
+                                stderr=sink), path, err
 
 
-def finish_child(child: tuple[subprocess.Popen, Path]) -> dict[str, torch.Tensor]:
-    proc, path = child
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+def finish_child(child: tuple[subprocess.Popen, Path, Path]) -> dict[str, torch.Tensor]:
+    proc, path, err = child
+    try:
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()  # (no-op once it has exited)
+    assert proc.returncode == 0, err.read_text()[-2000:]
     return torch.load(path)
 
 

@@ -28,12 +28,6 @@ from .pointwise import EAGER
 from .spec import DEFAULT_CONTEXT, ModelSpec
 from .variants import GraphBackend, StackBackend, Variants
 
-# forwards of at most this many rows attend with casspec's own attention where it runs (a step, a tree's
-# verification: with it the C++ loop runs the layers in one region; SmolLM2 on a 2-core AMD EPYC, 200 keys, float32 /
-# bfloat16: 4 rows 13.5 / 7.4 ms against SDPA's 14.4 / 9.6, 16 rows 17.6 / 17.5 against 18.3 / 18.8); a prompt's
-# more rows by SDPA (64 rows: 50.5 / 60.9 ms against 47.4 / 59.8)
-OWN_ATTENTION_ROWS = 16
-
 
 @dataclass(frozen=True)
 class BatchItem:
@@ -43,6 +37,7 @@ class BatchItem:
     positions: Tensor  # [T] absolute
     start: int  # first slot written (>= cache.length)
     scratch_mask: Tensor | None = None  # [T, start + T - cache.length] bool (None: causal)
+    head_rows: int | None = None  # its last rows that get logits (None: all; 0: none, a prompt's chunk)
 
 
 class Transformer(Variants):
@@ -144,15 +139,14 @@ class Transformer(Variants):
         visible_prefix: only committed slots [0, visible_prefix) are visible (default: all of them); used to
             re-score already committed tokens teacher-forced in scratch (e.g. the skip-set search).
         """
-        T = tokens.shape[0]
-        end = start + T
+        T, end = tokens.shape[0], start + tokens.shape[0]
         if end > cache.capacity:
             raise CasspecError(f"context window full ({cache.capacity} tokens); shorten the prompt or the output")
         if self.graphs is not None and visible_prefix is None:  # a captured CUDA graph, where one fits
             logits = self.graphs.run(cache, tokens, positions, start, scratch_mask, plan, logits_rows)
             if logits is not None:
                 return logits
-        kernel = self._attention_of(T, plan)
+        kernel = self._attention_of(plan)
         if kernel == "rows":
             rows = row_keys(cache.length, start, T, scratch_mask, visible_prefix, self.device)
             cache.reserve(max(end, rows.shared))
@@ -175,8 +169,11 @@ class Transformer(Variants):
             row0 += T
         tokens = torch.cat([it.tokens for it in items])  # [sum T]
         positions = torch.cat([it.positions for it in items])  # [sum T]
-        logits = self._layers(items[0].cache, tokens, positions, KvAccess(parts=tuple(parts)), plan, None)  # [sum T, V]
-        return list(logits.split([len(it.tokens) for it in items]))
+        heads = [len(it.tokens) if it.head_rows is None else it.head_rows for it in items]
+        rows = None if heads == [len(it.tokens) for it in items] else torch.cat([  # the rows that get logits
+            torch.arange(p.rows.stop - n, p.rows.stop, device=self.device) for p, n in zip(parts, heads)])
+        logits = self._layers(items[0].cache, tokens, positions, KvAccess(parts=tuple(parts)), plan, rows)  # [R, V]
+        return list(logits.split(heads))
 
     def _masked(self, cache: KVCache, start: int, T: int, scratch_mask: Tensor | None, visible_prefix: int | None,
                 own: bool) -> KvAccess:
@@ -187,16 +184,16 @@ class Transformer(Variants):
         mask = None if chain else self._attn_mask(cache.length, start, T, scratch_mask, visible_prefix)
         return KvAccess(start=start, end=start + T, mask=mask, is_causal=mask is None and T > 1 and not own, own=own)
 
-    def _attention_of(self, T: int, plan: Plan) -> str:
-        """Which attention a forward over T rows runs: "own" (Pointwise.attention: each row over its own keys, one
-        loop), "rows" (the batch-invariant block_attention) or "sdpa". A batch-invariant target attends with its own
-        where the Pointwise has one, else by blocks, a prompt's prefill too (a later prompt that starts with this
-        one reuses its KV: written otherwise, it would differ in the last bits from what one-token steps write);
-        any other forward with its own over up to OWN_ATTENTION_ROWS rows (where it is faster than SDPA's), SDPA over
-        more."""
-        if self.batch_invariant and plan.is_target:
-            return "own" if self._own_attention else "rows"
-        return "own" if self._own_attention and T <= OWN_ATTENTION_ROWS else "sdpa"
+    def _attention_of(self, plan: Plan) -> str:
+        """Which attention a forward runs: "own" (Pointwise.attention: each row over its own keys, one loop) wherever
+        the Pointwise has one, a prompt's too (each row's bits then the same however a prompt is split, and faster
+        than SDPA since a KV head's query heads go together: SmolLM2's 26 dev prompts in float32 on a 2-core AMD
+        EPYC, 5.85-6.12 s against 6.68-7.06, bfloat16 7.69-8.11 against 8.05-8.62); else "rows" (block_attention)
+        for a batch-invariant target, a prompt's prefill too (a later prompt that starts with this one reuses its
+        KV: written otherwise, it would differ in the last bits from what one-token steps write), "sdpa" elsewhere."""
+        if self._own_attention:
+            return "own"
+        return "rows" if self.batch_invariant and plan.is_target else "sdpa"
 
     @property
     def _own_attention(self) -> bool:
@@ -295,12 +292,10 @@ class Transformer(Variants):
         return fn, None
 
     def _linear(self, i: int, name: str, x: Tensor, w: Tensor, plan: Plan) -> Tensor:
-        b = self.layers[i].bias.get(name)
-        fn = self.linear_kernel(i, name, plan)
-        if fn is not None:
-            y = fn(x)
-            return y if b is None else y + b
-        return self._dense(plan)(x, w, b)
+        b, fn = self.layers[i].bias.get(name), self.linear_kernel(i, name, plan)
+        if fn is None:
+            return self._dense(plan)(x, w, b)
+        return fn(x) if b is None else fn(x) + b
 
     def _fused(self, i: int, key: str, weight: Tensor | None, parts: tuple[str, ...],
                plan: Plan) -> Callable[[Tensor], Tensor] | None:
@@ -310,8 +305,7 @@ class Transformer(Variants):
 
     def _attention(self, i: int, lw: LayerWeights, x: Tensor, cache: KVCache, kv: KvAccess, cos: Tensor,
                    sin: Tensor, plan: Plan) -> Tensor:
-        s = self.spec
-        T = x.shape[0]
+        s, T = self.spec, x.shape[0]
         qkv = self._fused(i, "qkv", lw.wqkv, FUSED_GROUPS["qkv"], plan)
         if qkv is not None and lw.q_norm is None and not lw.bias:  # one kernel, one RoPE call for q and k
             qk, v = qkv(x).split([(s.n_heads + s.n_kv_heads) * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)

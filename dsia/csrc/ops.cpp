@@ -665,8 +665,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   const int64_t blocks = (T + kRowBlock - 1) / kRowBlock, items = Hkv * blocks;  // (KV head, block of rows)
   const int64_t work = T * H * end * hd;  // multiply-adds of the scores (at most)
   const int64_t grain = work > kParallelWork ? 1 : std::max<int64_t>(1, items);  // (small ones on one thread)
+  // the items taken from both ends in turn (a block of later rows sees more keys: threads given runs of them in
+  // order, the one with the last rows did three quarters of a prompt's attention while the other waited)
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t stop) {
-    for (int64_t item = begin; item < stop; ++item) {
+    for (int64_t i = begin; i < stop; ++i) {
+      const int64_t item = i % 2 == 0 ? i / 2 : items - 1 - i / 2;
       const int64_t g = item % Hkv, r0 = item / Hkv * kRowBlock;
       const float* qg = qf.data_ptr<float>() + g * G * qf.stride(0);
       const int64_t r1 = std::min(T, r0 + kRowBlock);

@@ -119,7 +119,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(model_name=args.served_model_name, method=args.method, level=args.level,
                       levels=_levels_list(args.levels), bottom=args.bottom, max_queue=args.max_queue,
                       max_batch=args.max_batch, prefix_cache_mb=args.prefix_cache_mb,
-                      api_key=args.api_key, limits=limits, allowed_hosts=(*hosts, args.host))
+                      prefill_chunk=args.prefill_chunk, api_key=args.api_key, limits=limits,
+                      allowed_hosts=(*hosts, args.host))
     if args.ray:  # engine replicas on Ray Serve (casspec[ray]) behind one ingress on host:port
         try:
             from .serve.rayserve import run

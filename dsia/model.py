@@ -271,6 +271,11 @@ class Transformer(Variants):
         """Whether every dense product of a target forward runs a kernel whose rows do not depend on the row count."""
         return self.dense.row_invariant(self.dtype, self.device)
 
+    def rows_split_alike(self) -> bool:
+        """Whether a target forward's rows get the same bits however its rows are split between forwards (a prompt's
+        in chunks): its own attention, and products whose rows do not depend on the rows beside them."""
+        return self._own_attention and (self.batch_invariant or self.dense_row_invariant())
+
     def linear_kernel(self, i: int, name: str, plan: Plan) -> Callable[[Tensor], Tensor] | None:
         """The kernel that runs projection `name` of layer i: the plan's, else the target's native one; None: the
         dense weight (the one home of this choice: the Python loop and dsia/fastloop.py read it)."""

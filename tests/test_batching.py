@@ -41,10 +41,12 @@ def request(rng: random.Random) -> tuple[list[int], Request]:
     return prompt, req
 
 
-def run_batched(engine, jobs: list[tuple[list[int], Request]], joins: list[int], max_batch: int) -> list[list[int]]:
+def run_batched(engine, jobs: list[tuple[list[int], Request]], joins: list[int], max_batch: int,
+                prefill_chunk: int = 0) -> list[list[int]]:
     """Each job joins at the step of its number in `joins` (or later, when the batch is full); its tokens."""
-    batch, pending, tokens, step = Batch(engine, max_batch), list(range(len(jobs))), {}, 0
-    while pending or batch.running:
+    batch = Batch(engine, max_batch, prefill_chunk=prefill_chunk)
+    pending, tokens, step = list(range(len(jobs))), {}, 0
+    while pending or batch.busy:
         for j in [j for j in pending if joins[j] <= step]:
             if batch.full:
                 break
@@ -58,13 +60,15 @@ def run_batched(engine, jobs: list[tuple[list[int], Request]], joins: list[int],
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 10_000), count=st.integers(1, 6), max_batch=st.integers(1, 4))
-def test_each_request_in_a_batch_gets_its_tokens_alone(engine, seed, count, max_batch):
+@given(seed=st.integers(0, 10_000), count=st.integers(1, 6), max_batch=st.integers(1, 4),
+       prefill_chunk=st.sampled_from([0, 1, 3, 8]))
+def test_each_request_in_a_batch_gets_its_tokens_alone(engine, seed, count, max_batch, prefill_chunk):
+    """Whatever the arrival order, and with prompts that join running ones a chunk a step in their forwards."""
     rng = random.Random(seed)
     jobs = [request(rng) for _ in range(count)]
     alone = [engine.generate_ids(p, r).token_ids for p, r in jobs]
     joins = [rng.randrange(0, 12) for _ in jobs]
-    assert run_batched(engine, jobs, joins, max_batch) == alone
+    assert run_batched(engine, jobs, joins, max_batch, prefill_chunk) == alone
 
 
 def test_a_batch_steps_its_requests_together_and_frees_their_caches(engine):

@@ -42,7 +42,7 @@ from .methods import Drafters, make_policy
 from .request import Prompt, Request
 from ..cache.state import StateFile
 from .stats import Result, Stats
-from .step import Decoding, pick, prefill, seed_of
+from .step import Decoding, Prefilled, pick, prefill, seed_of
 from .target import EngineOptions, build_target
 
 
@@ -269,36 +269,44 @@ class Engine:
                 yield last
 
     def open(self, prompt_ids: list[int], req: Request, slot: CacheSlot, cancel: threading.Event | None = None,
-             wrap: Callable[[Policy], Policy] | None = None) -> tuple[Live, Decoding]:
+             wrap: Callable[[Policy], Policy] | None = None,
+             prefilled: Prefilled | None = None) -> tuple[Live, Decoding]:
         """Start a generation on slot's cache (the caller holds the engine): its policy (the levels it uses built
-        or read back the first time), the prompt's forward (what the slot holds of it reused), the first token.
-        Returns its text side and its decode loop, whose first block is that token."""
-        started = time.perf_counter()
+        or read back the first time), the prompt's forward (what the slot holds of it reused; or `prefilled`, run
+        already, its KV in the cache), the first token. Returns its text side and its decode loop, whose first
+        block is that token."""
+        t0 = time.perf_counter()
+        started = prefilled.started if prefilled is not None else t0
         stats = Stats(method=req.method, prompt_tokens=len(prompt_ids), latency=self.latency_source,
                       kernels=self.kernels, sources=self.drafters.describe(req))
         policy = make_policy(req, self.drafters)
         if wrap is not None:
             policy = wrap(policy)
-        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - started), {}
+        stats.setup, self.setup = dict(self.setup, levels=time.perf_counter() - t0), {}
         stats.resident_mb = resident_bytes() / 2**20
         stats.weights_mb = self.model.weight_bytes() / 2**20
         live = Live(req, stats, self.decode, self.eos_ids, cancel, started)
-        return live, self._decoding(prompt_ids, req, stats, policy, slot)
+        return live, self._decoding(prompt_ids, req, stats, policy, slot, prefilled)
 
     @torch.inference_mode()
     def _decoding(self, prompt_ids: list[int], req: Request, stats: Stats, policy: Policy,
-                  slot: CacheSlot) -> Decoding:
-        """The prompt's forward (the rest of what the slot's cache holds of it) and the decode loop after it."""
+                  slot: CacheSlot, prefilled: Prefilled | None) -> Decoding:
+        """The prompt's forward (the rest of what the slot's cache holds of it), unless run already, and the decode
+        loop after it."""
         cache = slot.cache
         seed = seed_of(req)
         # draws of drafts sampled from q (sd-rs) and of their checks; deterministic drafts use position noise, which
         # the levels' coupled drafts read too
         generator = None if req.sampling.greedy else torch.Generator().manual_seed(seed)
         noise = None if req.sampling.greedy else Noise(seed, self.model.lm_head.shape[0])
-        stats.reused_tokens = slot.reusable(prompt_ids) if self.reuse_prefix else 0
-        cache.rollback(stats.reused_tokens)
-        with stats.timer("prefill"):  # the rest of the prompt in one forward; its last row gives the first token
-            root = pick(prefill(self.model, cache, prompt_ids), req.sampling, noise, len(prompt_ids))
+        if prefilled is None:
+            stats.reused_tokens = slot.reusable(prompt_ids) if self.reuse_prefix else 0
+            cache.rollback(stats.reused_tokens)
+            with stats.timer("prefill"):  # the rest of the prompt in one forward; its last row gives the first token
+                logits = prefill(self.model, cache, prompt_ids)
+        else:
+            logits, stats.reused_tokens, stats.prefill_seconds = prefilled.logits, prefilled.reused, prefilled.seconds
+        root = pick(logits, req.sampling, noise, len(prompt_ids))
         stats.target_forwards = 1
         ctx = DraftContext(self.model, cache, prompt_ids + [root], req.sampling, generator, self.eos_ids,
                            budget=req.max_new_tokens - 1, latency=self.latency, noise=noise,

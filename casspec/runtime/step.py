@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -102,27 +102,38 @@ class Decoding:
             yield self.accept(tree, logits)  # accept, update
 
 
-def verify_batch(model: Transformer, latency: LatencyModel, batch: Sequence[tuple[Decoding, DraftTree]]
-                 ) -> list[torch.Tensor]:
-    """One target forward over several generations' trees (each on its own cache: continuous batching); each
-    generation's logits [N_i, V]. The latency model learns the forward's time by its rows in all (at the mean
-    committed length)."""
-    if len(batch) == 1:  # (one generation: its forward alone, as without batching)
+def verify_batch(model: Transformer, latency: LatencyModel, batch: Sequence[tuple[Decoding, DraftTree]],
+                 prompts: Sequence[BatchItem] = ()) -> list[torch.Tensor]:
+    """One target forward over several generations' trees (each on its own cache: continuous batching) and the
+    chunks of prompts joining them (their rows' logits as each one's head_rows says); each one's logits [N_i, V],
+    the prompts' after the trees'. The latency model learns the forward's time by its rows in all (at the mean
+    committed length) where no prompt rode in it."""
+    if len(batch) == 1 and not prompts:  # (one generation: its forward alone, as without batching)
         d, tree = batch[0]
         with d.stats.timer("verify"):
             return [verify_forward(model, d.ctx.cache, latency, tree)]
-    items = [tree_forward(model, d.ctx.cache, t) for d, t in batch]
+    items = [tree_forward(model, d.ctx.cache, t) for d, t in batch] + list(prompts)
     t0 = time.perf_counter()
     logits = model.forward_batch(items)
     if logits[0].is_cuda:
         torch.cuda.synchronize(model.device)
     ms = (time.perf_counter() - t0) * 1e3
-    rows = sum(len(t) for _, t in batch)
-    context = round(sum(d.ctx.cache.length for d, _ in batch) / len(batch))
-    latency.observe(TARGET_LEVEL, rows, context, ms, any(it.scratch_mask is not None for it in items))
+    if batch and not prompts:
+        rows = sum(len(t) for _, t in batch)
+        context = round(sum(d.ctx.cache.length for d, _ in batch) / len(batch))
+        latency.observe(TARGET_LEVEL, rows, context, ms, any(it.scratch_mask is not None for it in items))
     for d, _ in batch:
         d.stats.verify_seconds += ms / 1e3  # (each generation waited for the whole forward)
     return logits
+
+
+class Prefilled(NamedTuple):
+    """A prompt's forward run already (a chunk a step, beside other generations' steps: runtime/batch.py), its KV
+    committed in the cache."""
+    logits: torch.Tensor  # [1, V] after its last token
+    reused: int  # prompt tokens whose KV the cache held before
+    seconds: float  # wall time of the forwards its chunks rode in
+    started: float  # perf_counter() when it was asked for (its first token's latency counts from there)
 
 
 @torch.inference_mode()

@@ -53,10 +53,10 @@ class ApiError(Exception):
         return Response(json.dumps(self.body()), self.status, self.headers, media_type="application/json")
 
 
-def check_positive(name: str, value: object, integer: bool = True) -> None:
-    """A setting that must be an integer >= 1 (integer) or a finite number > 0: one clear error otherwise."""
-    if integer and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise CasspecError(f"{name} must be an integer >= 1 (got {value!r})")
+def check_positive(name: str, value: object, integer: bool = True, least: int = 1) -> None:
+    """A setting that must be an integer >= least (integer) or a finite number > 0: one clear error otherwise."""
+    if integer and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+        raise CasspecError(f"{name} must be an integer >= {least} (got {value!r})")
     if not integer and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
         raise CasspecError(f"{name} must be a number of seconds > 0 (got {value!r})")
 

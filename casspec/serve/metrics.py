@@ -35,6 +35,7 @@ BATCH_COUNTERS = {  # BatchStats field -> help text; exported as casspec:batch_<
     "root_only": "Requests' steps that verified their root alone (no draft paid at that load).",
     "prefix_hits": "Prompts that started with a kept prefix of their client's (--prefix-cache-mb) and copied its KV.",
     "prefix_tokens": "Prompt tokens whose forward those copies saved.",
+    "prompt_chunks": "Chunks of joining prompts run in the steps' forwards (--prefill-chunk).",
 }
 
 

@@ -1,7 +1,8 @@
 """The server's queue and the engine's worker: a bounded FIFO queue of jobs (checked calls) and the one thread that
 runs them on the engine, up to `max_batch` at once (continuous batching, casspec/runtime/batch.py: every step each
 running job drafts, one target forward verifies all their trees; a job joins between steps, with its prompt's
-forward alone, and leaves at its end, its client's disconnect or its deadline).
+forward alone or, where others run, a chunk of it in each step's forward (--prefill-chunk), and leaves at its end,
+its client's disconnect or its deadline).
 
 A job's cancel event is the engine's (`Engine.stream_ids` reads it between steps): set when its client goes away,
 and set of itself once the job's deadline passes, so that a generation stops after the step that is running. A
@@ -87,9 +88,10 @@ class Scheduler:
     regions instead of spinning)."""
 
     def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, own_thread: bool = True,
-                 max_batch: int = 1, prefix_mb: int = 0) -> None:
+                 max_batch: int = 1, prefix_mb: int = 0, prefill_chunk: int = 0) -> None:
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
-        self.batch = Batch(engine, max_batch, prefixes=PrefixStore(prefix_mb << 20) if prefix_mb else None)
+        self.batch = Batch(engine, max_batch, prefixes=PrefixStore(prefix_mb << 20) if prefix_mb else None,
+                           prefill_chunk=prefill_chunk)
         self.joining: Job | None = None  # the job whose generation is starting (its prompt's forward)
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # bounded by submit (None, the stop mark, is not)
         self._submit = threading.Lock()  # makes submit's check-then-put atomic
@@ -102,7 +104,7 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Jobs generating (one starting included)."""
-        return len(self.batch.running) + (self.joining is not None)
+        return len(self.batch.running) + len(self.batch.joining) + (self.joining is not None)
 
     def start(self) -> None:
         if self.thread is not None:
@@ -110,7 +112,7 @@ class Scheduler:
 
     def stop(self) -> None:
         """Cancel the running jobs, turn the waiting ones away, and end the worker."""
-        for job in [r.owner for r in self.batch.running] + [self.joining]:
+        for job in [r.owner for r in [*self.batch.running, *self.batch.joining]] + [self.joining]:
             if job is not None:
                 job.cancel.set()
         while True:
@@ -146,40 +148,46 @@ class Scheduler:
         """Run the jobs as they come, up to max_batch at once, until the stop mark (the running ones then end as
         cancelled: stop() set their cancels)."""
         stopping = False
-        while not stopping or self.batch.running:
+        while not stopping or self.batch.busy:
             while not stopping and not self.batch.full:  # join the waiting jobs (wait for one when none runs)
                 try:
-                    job = self.jobs.get(block=not self.batch.running)
+                    job = self.jobs.get(block=not self.batch.busy)
                 except queue.Empty:
                     break
                 if job is None:
                     stopping = True
                 elif not job.cancel.is_set():  # (its client went away, or its deadline passed, while it waited)
                     self._join(job)
-            if self.batch.running:
+            if self.batch.busy:
                 self._step()
 
     def _join(self, job: Job) -> None:
         job.started, job.started_at, self.joining = True, time.perf_counter(), job
         try:
-            run, piece = self.batch.join(job.call.prompt_ids, job.call.request, job.cancel, job)
+            started = self.batch.join(job.call.prompt_ids, job.call.request, job.cancel, job)
         except Exception as e:  # the call was checked: the server's set-up, a bug or the device. Report, keep serving
             self.metrics.add_failed()
             job.send("error", internal_error(e, "generation"))
             return
         finally:
             self.joining = None
-        self._deliver(run, piece)
+        if started is not None:  # (None: its prompt runs in chunks with the next steps, which start it)
+            self._deliver(*started)
 
     def _step(self) -> None:
         try:
             out = self.batch.step()
-        except Exception as e:  # every running job fails with it (their caches are left as they are: unreused)
-            for run in list(self.batch.running):
+        except Exception as e:  # every running or joining job fails with it (their caches are left unreused)
+            for run in [*self.batch.running, *self.batch.joining]:
                 self.batch.drop(run)
                 self.metrics.add_failed()
                 run.owner.send("error", internal_error(e, "generation"))
             return
+        for job in self.batch.take_given_up():  # (cancelled before its first token: its client left, or its deadline)
+            if job.cancel.timed_out:
+                self.metrics.add_timeout()
+            job.send("error", ApiError(503, "the call's deadline passed before its prompt's forward ended: retry "
+                                       "later", "timeout", headers={"Retry-After": str(self.retry_after())}))
         for run, piece in out:
             self._deliver(run, piece)
         for run in [r for r in self.batch.running if r.done]:  # (also a job whose window is full: no step ran it)

@@ -106,9 +106,9 @@ def _serve_args(sub) -> None:
                    "one more gets 429 with Retry-After (default 32)")
     s.add_argument("--max-batch", type=int, default=8, help="requests generating at once: every step one target "
                    "forward verifies all their drafts (continuous batching; default 8)")
-    s.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a step of a request that joins "
+    s.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens a step of a request that joins "
                    "others runs in their forward, so their streams go on (0: its whole prompt at once, the others "
-                   "waiting; default 64)")
+                   "waiting; default 128)")
     s.add_argument("--prefix-cache-mb", type=int, default=1024, help="KV of finished requests kept per client (API "
                    "key and user), so that a prompt starting with their tokens skips their forward (MB in all, least "
                    "recently used dropped; 0: none; default 1024)")

@@ -69,8 +69,8 @@ class ServeConfig:
     max_queue: int = 32  # calls that may wait while max_batch run; one more gets 429
     max_batch: int = 8  # calls generating at once (continuous batching; each its own KV cache, made on first use)
     prefix_cache_mb: int = 1024  # finished calls' KV kept per client for prompts that start with it (0: none)
-    prefill_chunk: int = 64  # prompt tokens a step of a call joining others runs in their forward (0: all at once,
-    # the others waiting; 64 cut the 8-client p99 gap between steps 3-6x, tokens/s alike: runtime/batch.py)
+    prefill_chunk: int = 128  # prompt tokens a step of a call joining others runs in their forward (0: all at once,
+    # the others waiting; docs/serving.md: 128 against 64 and 0, inter-token and first-token p99 at 8 clients)
     api_key: str | None = None  # when set, /v1/* need the header "Authorization: Bearer <key>"
     limits: Limits = Limits()  # what one call and its client may cost: body, prompt, stops, max_tokens, deadline,
     # stalls, connections (calls.Limits)

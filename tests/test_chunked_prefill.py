@@ -133,3 +133,33 @@ def test_serve_takes_the_chunk_size():
                   if line.startswith("casspec:batch_prompt_chunks_total")]
     assert [got[i] for i in range(len(prompts))] == alone
     assert chunks and float(chunks[0].split()[1]) > 0
+
+
+def test_a_call_whose_deadline_passes_while_its_prompt_runs_in_chunks_gets_503():
+    """A call joins a running one (a continuation with no EOS for 2,000 tokens) with a 4,000-token prompt run a token
+    a step (about 0.3 ms a step at the least, here): its deadline, 0.25 s, passes before its first token, so it is
+    given up (503, timeout) and counted, where its prompt's forward whole would have answered in time."""
+    httpx = pytest.importorskip("httpx")
+    from casspec.serve.app import ServeConfig, background
+    from casspec.serve.calls import Limits
+
+    eng = tiny_engine("llama", seed=0, kernels="casspec", reuse_prefix=False, max_pos=8192)
+    cfg = ServeConfig(model_name="tiny", max_batch=2, prefill_chunk=1,
+                      limits=Limits(max_prompt_tokens=5000, request_timeout=0.25))
+    with background(eng, cfg) as url:
+        got: dict = {}
+        first = threading.Thread(target=lambda: got.update(first=httpx.post(
+            f"{url}/v1/completions", timeout=30, json={"prompt": "w10 w20 w30 w40", "max_tokens": 2000,
+                                                       "temperature": 0})))
+        first.start()
+        while httpx.get(f"{url}/health").json()["running"] == 0:
+            pass
+        r = httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "prompt": " ".join(f"w{5 + i % 80}" for i in range(4000)), "max_tokens": 4, "temperature": 0})
+        first.join(timeout=30)
+        timeouts = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                    if line.startswith("casspec:request_timeout_total")]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "timeout"
+    assert "before its prompt's forward ended" in r.json()["error"]["message"]
+    assert got["first"].json()["choices"][0]["finish_reason"] == "length"  # (at its own deadline)
+    assert float(timeouts[0].split()[1]) == 2

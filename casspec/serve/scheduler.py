@@ -183,11 +183,15 @@ class Scheduler:
                 self.metrics.add_failed()
                 run.owner.send("error", internal_error(e, "generation"))
             return
-        for job in self.batch.take_given_up():  # (cancelled before its first token: its client left, or its deadline)
-            if job.cancel.timed_out:
+        for job in self.batch.take_given_up():  # (cancelled before its first token: its deadline, its client gone
+            # (no one reads this), or the server stopping)
+            timed_out = job.cancel.timed_out
+            if timed_out:
                 self.metrics.add_timeout()
-            job.send("error", ApiError(503, "the call's deadline passed before its prompt's forward ended: retry "
-                                       "later", "timeout", headers={"Retry-After": str(self.retry_after())}))
+            job.send("error", ApiError(503, "the call's deadline passed before its prompt's forward ended: retry later"
+                                       if timed_out else "the call was cancelled before its first token (the server "
+                                       "is shutting down)", "timeout" if timed_out else "shutting_down",
+                                       headers={"Retry-After": str(self.retry_after())}))
         for run, piece in out:
             self._deliver(run, piece)
         for run in [r for r in self.batch.running if r.done]:  # (also a job whose window is full: no step ran it)

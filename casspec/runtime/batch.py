@@ -167,7 +167,8 @@ class Batch:
     @torch.inference_mode()
     def step(self) -> list[tuple[Running, str]]:
         """One step of every running generation that is not done: each drafts (told the others' load), one target
-        forward verifies every tree, each accepts; (generation, the text its tokens settle) for each."""
+        forward verifies every tree (the joining prompts' next chunks riding in it), each accepts; (generation, the
+        text its tokens settle) for each, and for each generation whose prompt's last chunk ran (its first text)."""
         runs = [r for r in self.running if not r.done]
         for j in [j for j in self.joining if j.cancel is not None and j.cancel.is_set()]:
             self.drop(j)
@@ -220,10 +221,10 @@ class Batch:
             j.slot.cache.commit(list(range(len(item.tokens))))
             j.seconds += seconds
             self.stats.prompt_chunks += 1
-            if item.head_rows:
-                self.joining.remove(j)
+            if item.head_rows:  # (joining until it is open: where opening fails, the caller drops it as joining)
                 live, dec = self.engine.open(j.prompt_ids, j.req, j.slot, j.cancel,
                                              prefilled=Prefilled(lg, j.reused, j.seconds, j.started))
+                self.joining.remove(j)
                 out.append(self._start(j.slot, live, dec, j.owner))
         return out
 

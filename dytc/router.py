@@ -51,7 +51,6 @@ import time
 from dataclasses import replace
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from dsia.levels import Level, reads_kv_of
@@ -83,7 +82,7 @@ class DyTC(Policy):
         self.step: Step | None = None  # the step drafted last, which `observe` learns from
         self.fallbacks_in_row = 0
         self.fallback_steps, self.steps = 0, 0  # (this and what follows: the per-generation report)
-        self.tree_sizes: list[int] = []
+        self.tree_sizes = [0, 0, 0]  # the trees drafted: their nodes in all, the most in one, their number
         self.drafted: dict[str, int] = {}  # source -> tokens in the verified trees
         self.outcomes: dict[str, list[int]] = {}  # source -> [tested, accepted] in this generation
         self.predicted_draft_ms, self.measured_draft_ms = 0.0, 0.0
@@ -93,7 +92,8 @@ class DyTC(Policy):
         self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
         # the cost tables (step predicted at, other generations' rows, verify_ms, level_ms), predicted again every
         # COST_REFRESH_STEPS steps and when a batched step's other rows change
-        self.tables: tuple[int, int, list[float], dict[str, list[float]]] | None = None
+        self.tables: dict[int, tuple[int, int, list[float], dict[str, list[float]]]] = {}  # by the other
+        # generations' rows in the step (batched; 0 alone): (step predicted, those rows, verify ms, level ms)
         self.target_top_k = RECYCLE_K if RECYCLE in cfg.lookups else 0  # recycle learns the target's candidates
 
     # ------------------------------------------------------------------ lifecycle
@@ -124,9 +124,9 @@ class DyTC(Policy):
         self.lookups.observe(ctx, emitted, held_lookups(self.step, emitted), level_rows)
 
     def report(self) -> dict:
-        sizes = self.tree_sizes or [1]
+        nodes, most, steps = self.tree_sizes
         return {"steps": self.steps, "fallback_steps": self.fallback_steps,
-                "mean_tree_nodes": float(np.mean(sizes)), "max_tree_nodes": int(max(sizes)),
+                "mean_tree_nodes": nodes / steps if steps else 1.0, "max_tree_nodes": most or 1,
                 "drafted_by_source": dict(self.drafted),
                 "acceptance_by_source": {s: (k / n if n else 0.0) for s, (n, k) in self.outcomes.items()},
                 "tested_by_source": {s: n for s, (n, _) in self.outcomes.items()},
@@ -144,13 +144,14 @@ class DyTC(Policy):
         throughput, the others' rows in the verification's cost, their tokens in E, their drafting in D."""
         load = ctx.load if self.cfg.constant_cost is None else None
         others = load.rows if load is not None else 0
-        t = self.tables
-        if t is None or self.steps - t[0] >= COST_REFRESH_STEPS or len(t[2]) <= n_max or t[1] != others:
+        t = self.tables.get(others)
+        if t is None or self.steps - t[0] >= COST_REFRESH_STEPS or len(t[2]) <= n_max:
             verify_ms, level_ms = cost_tables(ctx.latency, list(self.levels), ctx.cache.length, n_max,
                                               self.cfg.constant_cost, others)
             measured = ctx.latency is not None and all(map(ctx.latency.known, [TARGET_LEVEL, *self.levels]))
-            t = self.tables = (self.steps if measured else -COST_REFRESH_STEPS,  # (guesses: predicted again next)
-                               others, verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
+            self.tables = {k: v for k, v in self.tables.items() if self.steps - v[0] < COST_REFRESH_STEPS}
+            t = self.tables[others] = (self.steps if measured else -COST_REFRESH_STEPS,  # (guesses: again next)
+                                       others, verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
         overhead = self.overhead_ms if self.cfg.step_overhead and self.cfg.constant_cost is None else 0.0
         return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], t[2], t[3],
                     spent=overhead + (load.draft_ms if load else 0.0), base=load.tokens if load else 0.0)
@@ -198,7 +199,8 @@ class DyTC(Policy):
                 break
         if len(step.tree) == 1:
             self.fallback_steps += 1
-        self.tree_sizes.append(len(step.tree))
+        sizes = self.tree_sizes
+        sizes[0], sizes[1], sizes[2] = sizes[0] + len(step.tree), max(sizes[1], len(step.tree)), sizes[2] + 1
         return step.tree
 
     def best_action(self, ctx: DraftContext, step: Step, n_max: int, only: str | None = None) -> Action | None:

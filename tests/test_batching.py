@@ -5,7 +5,6 @@ sizes its drafts to the batch's load; casspec serve answers concurrent clients f
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +17,7 @@ from dytc.router import DyTC, RouterConfig
 from dytc.sampling import SamplingParams
 from casspec.runtime.batch import Batch
 from casspec.runtime.request import Request
-from tiny import tiny_engine
+from tiny import complete_at_once, tiny_engine
 
 METHODS = ("ar", "pld", "sd", "tree", "dytc", "vc")
 
@@ -125,20 +124,9 @@ def test_serve_answers_concurrent_clients_from_one_batch():
     prompts = ["w5 w6 w7 w8 w5 w6 w7", "w9 w10 w11", "w12 w13 w12 w13 w12", "w20 w21 w22 w23"]
     alone = [eng.generate(p, max_new_tokens=24, chat=False).text for p in prompts]
     with background(eng, ServeConfig(model_name="tiny", max_batch=4)) as url:
-        got: dict[int, str] = {}
-
-        def call(i: int) -> None:
-            r = httpx.post(f"{url}/v1/completions", timeout=60,
-                           json={"prompt": prompts[i], "max_tokens": 24, "temperature": 0})
-            got[i] = r.json()["choices"][0]["text"]
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        got = complete_at_once(url, prompts, 24)
         text = httpx.get(f"{url}/metrics").text
-    assert [got[i] for i in range(len(prompts))] == alone
+    assert got == alone
     counts = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("casspec:batch")}
     assert counts["casspec:batch_sequences_total"] > counts["casspec:batch_steps_total"] > 0
 

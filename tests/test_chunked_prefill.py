@@ -15,7 +15,7 @@ from casspec.runtime.batch import Batch
 from casspec.runtime.request import Request
 from dsia.errors import CasspecError
 from dsia.model import BatchItem
-from tiny import tiny_engine
+from tiny import complete_at_once, tiny_engine
 
 LONG = [3 + (7 * i) % 80 for i in range(57)]  # a prompt of 57 tokens: 8 chunks of 8
 
@@ -117,21 +117,10 @@ def test_serve_takes_the_chunk_size():
     prompts = [" ".join(f"w{5 + (3 * i + k) % 40}" for k in range(14 + 3 * i)) for i in range(4)]
     alone = [eng.generate(p, max_new_tokens=16, chat=False).text for p in prompts]
     with background(eng, ServeConfig(model_name="tiny", max_batch=4, prefill_chunk=3)) as url:
-        got: dict[int, str] = {}
-
-        def call(i: int) -> None:
-            r = httpx.post(f"{url}/v1/completions", timeout=60,
-                           json={"prompt": prompts[i], "max_tokens": 16, "temperature": 0})
-            got[i] = r.json()["choices"][0]["text"]
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        got = complete_at_once(url, prompts, 16)
         chunks = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
                   if line.startswith("casspec:batch_prompt_chunks_total")]
-    assert [got[i] for i in range(len(prompts))] == alone
+    assert got == alone
     assert chunks and float(chunks[0].split()[1]) > 0
 
 

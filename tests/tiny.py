@@ -81,6 +81,27 @@ def tiny_engine(arch: str = "llama", seed: int = 0, max_context: int | None = No
     return engine
 
 
+def complete_at_once(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy /v1/completions text, the calls made at once (one client thread each)."""
+    import threading
+
+    import httpx
+
+    got: dict[int, str] = {}
+
+    def call(i: int) -> None:
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0})
+        got[i] = r.json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return [got[i] for i in range(len(prompts))]
+
+
 def chi2_p(observed: list[float], expected: list[float]) -> float:
     """Chi-square p-value; expected counts rescaled (in float64) to the observed total."""
     scale = sum(observed) / sum(expected)

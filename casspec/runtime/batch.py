@@ -137,6 +137,7 @@ class Batch:
             return None
         with self.engine.hold(), paused_gc():
             live, dec = self.engine.open(prompt_ids, req, slot, cancel)
+            self.free.remove(slot)  # (after the open: where it fails, the cache stays free)
             return self._start(slot, live, dec, owner)
 
     def _slot(self, prompt_ids: list[int], req: Request) -> CacheSlot:
@@ -157,9 +158,8 @@ class Batch:
         return slot
 
     def _start(self, slot: CacheSlot, live: Live, dec: Decoding, owner: object) -> tuple[Running, str]:
-        """A generation whose prompt's forward ran joins the running ones: it and its first text."""
-        if slot in self.free:
-            self.free.remove(slot)
+        """A generation whose prompt's forward ran (its cache off the free list) joins the running ones: it and its
+        first text."""
         run = Running(live, dec, slot, owner)
         self.running.append(run)
         return run, live.feed(dec.begin())

@@ -185,13 +185,12 @@ class Scheduler:
             return
         for job in self.batch.take_given_up():  # (cancelled before its first token: its deadline, its client gone
             # (no one reads this), or the server stopping)
-            timed_out = job.cancel.timed_out
-            if timed_out:
+            if job.cancel.timed_out:
                 self.metrics.add_timeout()
-            job.send("error", ApiError(503, "the call's deadline passed before its prompt's forward ended: retry later"
-                                       if timed_out else "the call was cancelled before its first token (the server "
-                                       "is shutting down)", "timeout" if timed_out else "shutting_down",
-                                       headers={"Retry-After": str(self.retry_after())}))
+                why = ("the call's deadline passed before its prompt's forward ended: retry later", "timeout")
+            else:
+                why = ("the call was cancelled before its first token (the server is shutting down)", "shutting_down")
+            job.send("error", ApiError(503, *why, headers={"Retry-After": str(self.retry_after())}))
         for run, piece in out:
             self._deliver(run, piece)
         for run in [r for r in self.batch.running if r.done]:  # (also a job whose window is full: no step ran it)

@@ -53,13 +53,16 @@ def outputs() -> dict[str, torch.Tensor]:
     for name, make in (("int3", q3_blocks), ("int2", q2_blocks)):  # (formats of no GGUF type: read at run time)
         k = make(torch.randn(40, 576, generator=gen) * 0.05)
         out[f"blocks {name}"] = torch.cat([k(torch.randn(T, 576, generator=gen)) for T in range(1, 10)])
-    for hd in (64, 128):  # (heads of 64 and 128 floats: AVX-512 scores a block of 16 keys a row sees at once)
-        q = torch.randn(6, 3, hd, generator=gen)
+    for hd in (64, 128):  # (heads of 64 and 128 floats: AVX-512 scores a block of 16 keys a row sees at once; 3
+        # rows x 3 heads a key at a time, 8 rows x 3 heads each block dimension-major, ops.h kByDimHeads)
         keys, values = torch.randn(2, 60, hd, generator=gen), torch.randn(2, 60, hd, generator=gen)
-        mask = torch.rand(3, 50, generator=gen) < 0.7
-        mask[:, :20] = True  # (a first block seen whole, then blocks seen in part)
-        out[f"attention {hd}"] = torch.cat([torch.ops.casspec.attention(q, keys, values, 50, m, hd ** -0.5)
-                                            for m in (None, mask)])
+        runs = []
+        for T in (3, 8):
+            q = torch.randn(6, T, hd, generator=gen)
+            mask = torch.rand(T, 50, generator=gen) < 0.7
+            mask[:, :20] = True  # (a first block seen whole, then blocks seen in part)
+            runs += [torch.ops.casspec.attention(q, keys, values, 50, m, hd ** -0.5) for m in (None, mask)]
+        out[f"attention {hd}"] = torch.cat(runs)
     edge = torch.tensor([-100.0, -88.0, -20.0, 0.0, 1e-30, 20.0, 88.0, 100.0, -1e-3])  # e^-|g| under and at 1
     g = torch.cat((torch.randn(3, 37, generator=gen) * 4, edge.repeat(3, 1)), dim=1)  # [3, 46]: a tail past 32
     out["silu_mul"] = torch.ops.casspec.silu_mul(g, torch.randn(3, 46, generator=gen))

@@ -166,6 +166,43 @@ inline void row_slots(const Visible& seen, int64_t t, RowSlots& out) {
   }
 }
 
+// The scores of rows' prefix keys 16 at a time (the whole blocks of each row's prefix), each block made dimension-major
+// once for every row and head (keys_by_dim) and scored by block16_by_dim: the bits block16 gives. qv: R rows x G heads
+// of `C` chunks; row r, head h's scores at scores + first[r] + h * padded[r]. (A call, not inlined, as block16.)
+template <int64_t C>
+__attribute__((target("avx512f"))) void scores_by_dim(const float* qv, const float* keys, int64_t k_stride,
+                                                      const RowSlots* slots, const int64_t* first,
+                                                      const int64_t* padded, int64_t R, int64_t G, float scale,
+                                                      float* scores) {
+  int64_t most = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    most = std::max(most, slots[r].prefix);
+  }
+  alignas(64) float kt[C * kLanes * kLanes];  // [C * 16 dims, 16 keys]
+  for (int64_t j = 0; j + kLanes <= most; j += kLanes) {
+    keys_by_dim<C>(keys + j * k_stride, k_stride, kt);
+    for (int64_t r = 0; r < R; ++r) {
+      if (slots[r].prefix < j + kLanes) {
+        continue;
+      }
+      for (int64_t h0 = 0; h0 < G; h0 += 2) {  // up to 2 heads at a time
+        const float* qh[2];
+        float* out[2];
+        const int64_t U = std::min<int64_t>(2, G - h0);
+        for (int64_t u = 0; u < U; ++u) {
+          qh[u] = qv + (r * G + h0 + u) * C * kLanes;
+          out[u] = scores + first[r] + (h0 + u) * padded[r] + j;
+        }
+        if (U == 2) {
+          block16_by_dim<C, 2>(qh, kt, scale, out);
+        } else {
+          block16_by_dim<C, 1>(qh, kt, scale, out);
+        }
+      }
+    }
+  }
+}
+
 // heads whose weighted sums of values go together (each value chunk loaded once for them, their accumulators in
 // registers): as many as 16 registers hold
 template <int64_t C>
@@ -265,6 +302,15 @@ template <int64_t C, class KV, bool Wide>
   // scores, per row and head in position order; on AVX-512 (float32 keys, 64- or 128-float heads) 16 keys of the
   // prefix at once: the same products and sums, the 16 folds together (fold512.h)
   constexpr bool kBlocks16 = Wide && std::is_same_v<KV, float> && (C == 4 || C == 8);
+  // with enough rows and heads, each block of 16 prefix keys turned dimension-major once for them all and scored
+  // without shuffles (scores_by_dim: the same bits as block16)
+  const bool by_dim = kBlocks16 && R * G >= kByDimHeads;
+  if constexpr (kBlocks16) {
+    if (by_dim) {
+      scores_by_dim<C>(qv.data(), reinterpret_cast<const float*>(keys), k_stride, slots.data(), first.data(),
+                       padded.data(), R, G, scale, scores.data());
+    }
+  }
   for (int64_t r = 0; r < R; ++r) {
     const RowSlots& sl = slots[r];
     for (int64_t h = 0; h < G; ++h) {
@@ -272,6 +318,9 @@ template <int64_t C, class KV, bool Wide>
       float* row = scores.data() + first[r] + h * padded[r];
       int64_t j = 0;
       if constexpr (kBlocks16) {
+        if (by_dim) {
+          j = sl.prefix / kLanes * kLanes;
+        }
         for (; j + kLanes <= sl.prefix; j += kLanes) {
           block16<C>(qh, reinterpret_cast<const float*>(keys) + j * k_stride, k_stride, scale, row + j);
         }

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "ops.h"
 #include "vec16.h"
@@ -51,6 +52,13 @@ struct Call {
   const float* dxsum;  // [T, blocks]: each block's dx (xsum0 + xsum1)
   float* out;  // [T, N], rows ldo apart
   int64_t N, T, K, blocks, ldo;
+  // the full tiles of kRowTile rows' activations side by side (AVX-512: tile_rows), per row tile and block: the rows'
+  // 32 bytes [kRowTile, 32], xsum pairs [kRowTile, 2], dx and dxsum [kRowTile]; so that a row tile reads its rows at
+  // constant offsets from one pointer (8 rows' own pointers did not fit the registers beside the block's)
+  const int8_t* xq_tiled = nullptr;
+  const int32_t* xsum_tiled = nullptr;
+  const float* dx_tiled = nullptr;
+  const float* dxsum_tiled = nullptr;
 
   const uint8_t* at(int64_t tile, int64_t b, const raw::BlockFormat& g) const {
     return codes + (tile * blocks + b) * g.record();
@@ -325,6 +333,21 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
   }
   const __m512i low = _mm512_set1_epi8(15);
   const bool two = f.halves;
+  // row t0 + r's block b: its 32 bytes, its halves' sums of them, dx, dxsum (a full row tile's from c's tiled copy)
+  constexpr bool tiled = R == kRowTile;
+  const int64_t first = t0 / kRowTile * c.blocks;  // (tiled) the row tile's first record
+  auto xb = [&](int r, int64_t b) {
+    return tiled ? c.xq_tiled + ((first + b) * kRowTile + r) * kBlock : c.xq + (t0 + r) * c.K + b * kBlock;
+  };
+  auto xs = [&](int r, int64_t b) {
+    return tiled ? c.xsum_tiled + ((first + b) * kRowTile + r) * 2 : c.xsum + (t0 + r) * 2 * c.blocks + 2 * b;
+  };
+  auto dx_of = [&](int r, int64_t b) {
+    return tiled ? c.dx_tiled[(first + b) * kRowTile + r] : c.dx[(t0 + r) * c.blocks + b];
+  };
+  auto dxsum_of = [&](int r, int64_t b) {
+    return tiled ? c.dxsum_tiled[(first + b) * kRowTile + r] : c.dxsum[(t0 + r) * c.blocks + b];
+  };
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* wb = c.at(tile, b, f);
     const uint8_t* pl = c.planes(tile, b, f);
@@ -376,17 +399,15 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
     // rows' chains of 8 products side by side; lo and hi per row where it has two
     __m512i S[R];
     if (!two) {
-      const int8_t* x0 = c.xq + t0 * c.K + b * kBlock;  // row t0's block b; row t0 + r's lies r K further
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const int32_t* xs = c.xsum + (t0 + r) * 2 * c.blocks + 2 * b;
-        S[r] = _mm512_set1_epi32(f.offset * (xs[0] + xs[1]));
+        S[r] = _mm512_set1_epi32(f.offset * (xs(r, b)[0] + xs(r, b)[1]));
       }
 #pragma GCC unroll 8
       for (int64_t g = 0; g < kGroups; ++g) {
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {  // (each group's 4 activation bytes broadcast from memory)
-          const alias_i32* x4 = reinterpret_cast<const alias_i32*>(x0 + r * c.K);
+          const alias_i32* x4 = reinterpret_cast<const alias_i32*>(xb(r, b));
           S[r] = _mm512_dpbusd_epi32(S[r], w[g], _mm512_set1_epi32(x4[g]));
         }
       }
@@ -397,9 +418,8 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
     } else {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const int64_t t = t0 + r;
-        const alias_i32* x4 = reinterpret_cast<const alias_i32*>(c.xq + t * c.K + b * kBlock);  // [8] groups of 4
-        const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
+        const alias_i32* x4 = reinterpret_cast<const alias_i32*>(xb(r, b));  // [8] groups of 4
+        const int32_t xs0 = xs(r, b)[0], xs1 = xs(r, b)[1];
         __m512i lo = _mm512_set1_epi32(f.offset * xs0), hi = _mm512_set1_epi32(f.offset * xs1);
 #pragma GCC unroll 4
         for (int64_t g = 0; g < kGroups / 2; ++g) {
@@ -412,16 +432,15 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int64_t t = t0 + r;
-      const __m512 dx = _mm512_set1_ps(c.dx[t * c.blocks + b]);
+      const __m512 dx = _mm512_set1_ps(dx_of(r, b));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[r]), _mm512_mul_ps(d, dx), acc[r]);
       if (f.mins == 2 && two) {
-        const int32_t xs0 = c.xsum[t * 2 * c.blocks + 2 * b], xs1 = c.xsum[t * 2 * c.blocks + 2 * b + 1];
+        const int32_t xs0 = xs(r, b)[0], xs1 = xs(r, b)[1];
         const __m512 B = _mm512_add_ps(_mm512_mul_ps(b0, _mm512_set1_ps(static_cast<float>(xs0))),
                                        _mm512_mul_ps(b1, _mm512_set1_ps(static_cast<float>(xs1))));
         acc[r] = _mm512_fmadd_ps(B, _mm512_mul_ps(m, dx), acc[r]);
       } else if (f.mins != 0) {
-        acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(c.dxsum[t * c.blocks + b]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(dxsum_of(r, b)), acc[r]);
       }
     }
   }
@@ -592,7 +611,32 @@ Isa block_isa() {
 
 void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
                  int64_t tile1, Isa isa) {
-  const Call c{w.codes, w.f, w.d, w.m, a.xq, a.dx, a.xsum, a.dxsum, out, w.N, T, w.K, w.K / kBlock, ldo};
+  Call c{w.codes, w.f, w.d, w.m, a.xq, a.dx, a.xsum, a.dxsum, out, w.N, T, w.K, w.K / kBlock, ldo};
+  if (isa == kAvx512 && T >= kRowTile) {  // (this thread's copy: the threads share nothing they write)
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<int32_t> xsum;
+    thread_local std::vector<float> dx, dxsum;
+    const int64_t records = T / kRowTile * c.blocks * kRowTile;  // (row, block) of the full row tiles
+    xq.resize(records * kBlock);
+    xsum.resize(records * 2);
+    dx.resize(records);
+    dxsum.resize(records);
+    for (int64_t t = 0; t < T / kRowTile * kRowTile; ++t) {
+      const int64_t at = t / kRowTile * c.blocks * kRowTile + t % kRowTile;  // (t, block 0)'s record
+      for (int64_t b = 0; b < c.blocks; ++b) {
+        const int64_t to = at + b * kRowTile, from = t * c.blocks + b;
+        std::memcpy(xq.data() + to * kBlock, a.xq + from * kBlock, kBlock);
+        xsum[2 * to] = a.xsum[2 * from];
+        xsum[2 * to + 1] = a.xsum[2 * from + 1];
+        dx[to] = a.dx[from];
+        dxsum[to] = a.dxsum[from];
+      }
+    }
+    c.xq_tiled = xq.data();
+    c.xsum_tiled = xsum.data();
+    c.dx_tiled = dx.data();
+    c.dxsum_tiled = dxsum.data();
+  }
   range_for<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(c, tile0, tile1, isa);
 }
 

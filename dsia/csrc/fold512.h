@@ -57,7 +57,8 @@ __attribute__((target("avx512f"), always_inline)) inline void keys_by_dim(const 
       b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
     }
     for (int k = 0; k < 4; ++k) {  // element 4L + k of all 16 rows: quarter L of b[k], b[4+k], b[8+k], b[12+k]
-      const __m512 even0 = _mm512_shuffle_f32x4(b[k], b[4 + k], 0x88), odd0 = _mm512_shuffle_f32x4(b[k], b[4 + k], 0xDD);
+      const __m512 even0 = _mm512_shuffle_f32x4(b[k], b[4 + k], 0x88);
+      const __m512 odd0 = _mm512_shuffle_f32x4(b[k], b[4 + k], 0xDD);
       const __m512 even1 = _mm512_shuffle_f32x4(b[8 + k], b[12 + k], 0x88);
       const __m512 odd1 = _mm512_shuffle_f32x4(b[8 + k], b[12 + k], 0xDD);
       float* d = kt + c * 256;

@@ -21,7 +21,8 @@ Isa machine_isa();
 inline int64_t machine_isa_op() { return machine_isa(); }  // (torch.ops.casspec.machine_isa: the path in use)
 
 constexpr int64_t kRowBlock = 16;  // query rows an attention task takes together (each key read once for them)
-constexpr int64_t kByDimHeads = 12;  // attention tasks of this many query rows x heads score keys dimension-major (3 x 3: slower)
+constexpr int64_t kByDimHeads = 12;  // an attention task of this many query rows x heads scores its keys
+                                     // dimension-major (fold512.h; at 3 x 3 that was slower)
 constexpr int64_t kPointwiseTask = 1 << 14;  // floats a thread's task of a row-wise op (norm, RoPE, silu) takes
 constexpr int64_t kParallelWork = 1 << 18;  // an attention or a block product of more multiply-adds than this runs
                                             // on every thread (fewer: waking the other costs more)

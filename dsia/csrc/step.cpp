@@ -374,10 +374,11 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, const st
 #pragma omp barrier
       {  // attention, a KV head's query heads over a part's block of rows at a time (and their outputs' 8-bit
          // blocks), each thread its own (my_items: dealt by cost; a prompt's later rows see more keys, and a run
-         // of them on one thread kept the other waiting). A KV head's G query heads go together, so that one thread reads its
-         // keys and values once for all of them (one query head an item, both threads read every KV head of every
-         // sequence: a batched forward of 8 sequences at 300 positions, 16 rows, took 19.0-20.6 ms against
-         // 31.7-32.2 without them, a 769-token prompt's 0.85 s against 1.64, on a 2-core AMD EPYC); the same bits
+         // of them on one thread kept the other waiting). A KV head's G query heads go together, so that one
+         // thread reads its keys and values once for all of them (one query head an item, both threads read every
+         // KV head of every sequence: a batched forward of 8 sequences at 300 positions, 16 rows, took 19.0-20.6
+         // ms against 31.7-32.2 without them, a 769-token prompt's 0.85 s against 1.64, on a 2-core AMD EPYC);
+         // the same bits
         for (const int64_t item : my_items) {
           const int64_t g = item % Hkv, head = g * G;  // its KV head, its first query head
           const auto [j, r0, r1] = row_blocks[item / Hkv];

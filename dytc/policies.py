@@ -48,7 +48,7 @@ from .verify import Noise
 class Load:
     """What a batched step verifies besides this generation's tree (continuous batching, casspec/runtime/batch.py):
     dytc weighs its drafts against the whole step's throughput."""
-    rows: int  # the other rows in the step's target forward (other generations', joining prompts' chunks)
+    rows: int  # the other generations' rows in the step's target forward (not joining prompts' chunks: batch.py)
     tokens: float  # the tokens they are expected to emit
     draft_ms: float  # their drafting time (the step waits for it)
 

@@ -52,13 +52,10 @@ struct Call {
   const float* dxsum;  // [T, blocks]: each block's dx (xsum0 + xsum1)
   float* out;  // [T, N], rows ldo apart
   int64_t N, T, K, blocks, ldo;
-  // the full tiles of kRowTile rows' activations side by side (AVX-512: tile_rows), per row tile and block: the rows'
-  // 32 bytes [kRowTile, 32], xsum pairs [kRowTile, 2], dx and dxsum [kRowTile]; so that a row tile reads its rows at
-  // constant offsets from one pointer (8 rows' own pointers did not fit the registers beside the block's)
-  const int8_t* xq_tiled = nullptr;
-  const int32_t* xsum_tiled = nullptr;
-  const float* dx_tiled = nullptr;
-  const float* dxsum_tiled = nullptr;
+  // the full tiles of kRowTile rows' activations side by side (AVX-512: raw::tile_acts), per row tile and block: the
+  // rows' 32 bytes [kRowTile, 32], xsum pairs [kRowTile, 2], dx and dxsum [kRowTile]; so that a row tile reads its
+  // rows at constant offsets from one pointer (8 rows' own pointers did not fit the registers beside the block's)
+  raw::TiledActs tiled;
 
   const uint8_t* at(int64_t tile, int64_t b, const raw::BlockFormat& g) const {
     return codes + (tile * blocks + b) * g.record();
@@ -337,16 +334,16 @@ __attribute__((target(CASSPEC_VNNI), always_inline)) inline void rows_vnni(const
   constexpr bool tiled = R == kRowTile;
   const int64_t first = t0 / kRowTile * c.blocks;  // (tiled) the row tile's first record
   auto xb = [&](int r, int64_t b) {
-    return tiled ? c.xq_tiled + ((first + b) * kRowTile + r) * kBlock : c.xq + (t0 + r) * c.K + b * kBlock;
+    return tiled ? c.tiled.xq + ((first + b) * kRowTile + r) * kBlock : c.xq + (t0 + r) * c.K + b * kBlock;
   };
   auto xs = [&](int r, int64_t b) {
-    return tiled ? c.xsum_tiled + ((first + b) * kRowTile + r) * 2 : c.xsum + (t0 + r) * 2 * c.blocks + 2 * b;
+    return tiled ? c.tiled.xsum + ((first + b) * kRowTile + r) * 2 : c.xsum + (t0 + r) * 2 * c.blocks + 2 * b;
   };
   auto dx_of = [&](int r, int64_t b) {
-    return tiled ? c.dx_tiled[(first + b) * kRowTile + r] : c.dx[(t0 + r) * c.blocks + b];
+    return tiled ? c.tiled.dx[(first + b) * kRowTile + r] : c.dx[(t0 + r) * c.blocks + b];
   };
   auto dxsum_of = [&](int r, int64_t b) {
-    return tiled ? c.dxsum_tiled[(first + b) * kRowTile + r] : c.dxsum[(t0 + r) * c.blocks + b];
+    return tiled ? c.tiled.dxsum[(first + b) * kRowTile + r] : c.dxsum[(t0 + r) * c.blocks + b];
   };
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* wb = c.at(tile, b, f);
@@ -609,34 +606,38 @@ Isa block_isa() {
   return isa;
 }
 
-void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
-                 int64_t tile1, Isa isa) {
-  Call c{w.codes, w.f, w.d, w.m, a.xq, a.dx, a.xsum, a.dxsum, out, w.N, T, w.K, w.K / kBlock, ldo};
-  if (isa == kAvx512 && T >= kRowTile) {  // (this thread's copy: the threads share nothing they write)
-    thread_local std::vector<int8_t> xq;
-    thread_local std::vector<int32_t> xsum;
-    thread_local std::vector<float> dx, dxsum;
-    const int64_t records = T / kRowTile * c.blocks * kRowTile;  // (row, block) of the full row tiles
-    xq.resize(records * kBlock);
-    xsum.resize(records * 2);
-    dx.resize(records);
-    dxsum.resize(records);
-    for (int64_t t = 0; t < T / kRowTile * kRowTile; ++t) {
-      const int64_t at = t / kRowTile * c.blocks * kRowTile + t % kRowTile;  // (t, block 0)'s record
-      for (int64_t b = 0; b < c.blocks; ++b) {
-        const int64_t to = at + b * kRowTile, from = t * c.blocks + b;
-        std::memcpy(xq.data() + to * kBlock, a.xq + from * kBlock, kBlock);
-        xsum[2 * to] = a.xsum[2 * from];
-        xsum[2 * to + 1] = a.xsum[2 * from + 1];
-        dx[to] = a.dx[from];
-        dxsum[to] = a.dxsum[from];
-      }
-    }
-    c.xq_tiled = xq.data();
-    c.xsum_tiled = xsum.data();
-    c.dx_tiled = dx.data();
-    c.dxsum_tiled = dxsum.data();
+TiledActs tile_acts(const BlockActs& a, int64_t T, int64_t K, Isa isa) {
+  if (isa != kAvx512 || T < kRowTile) {
+    return {};
   }
+  thread_local std::vector<int8_t> xq;  // (this thread's copy: the threads share nothing they write)
+  thread_local std::vector<int32_t> xsum;
+  thread_local std::vector<float> dx, dxsum;
+  const int64_t blocks = K / kBlock, rows = T / kRowTile * kRowTile;
+  const int64_t records = rows * blocks;  // (row, block) of the full row tiles
+  xq.resize(records * kBlock);
+  xsum.resize(records * 2);
+  dx.resize(records);
+  dxsum.resize(records);
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t at = t / kRowTile * blocks * kRowTile + t % kRowTile;  // (t, block 0)'s record
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t to = at + b * kRowTile, from = t * blocks + b;
+      std::memcpy(xq.data() + to * kBlock, a.xq + from * kBlock, kBlock);
+      xsum[2 * to] = a.xsum[2 * from];
+      xsum[2 * to + 1] = a.xsum[2 * from + 1];
+      dx[to] = a.dx[from];
+      dxsum[to] = a.dxsum[from];
+    }
+  }
+  return {xq.data(), xsum.data(), dx.data(), dxsum.data()};
+}
+
+void block_tiles(const Blocks& w, const BlockActs& a, const TiledActs& tiled, int64_t T, float* out, int64_t ldo,
+                 int64_t tile0, int64_t tile1, Isa isa) {
+  const bool made = tiled.xq != nullptr || isa != kAvx512 || T < kRowTile;  // (else this call makes its own)
+  const Call c{w.codes, w.f, w.d, w.m, a.xq, a.dx, a.xsum, a.dxsum, out, w.N, T, w.K, w.K / kBlock, ldo,
+               made ? tiled : tile_acts(a, T, w.K, isa)};
   range_for<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K>(c, tile0, tile1, isa);
 }
 
@@ -680,7 +681,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const Isa use = isa == kAuto ? raw::block_isa() : static_cast<Isa>(isa);
   const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, T * K * kTile));
   at::parallel_for(0, tiles, grain, [&](int64_t tile0, int64_t tile1) {
-    raw::block_tiles(w, acts, T, out.data_ptr<float>(), n, tile0, tile1, use);
+    raw::block_tiles(w, acts, raw::tile_acts(acts, T, K, use), T, out.data_ptr<float>(), n, tile0, tile1, use);
   });
   return out;
 }

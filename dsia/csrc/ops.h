@@ -171,9 +171,20 @@ constexpr int64_t kBlockInputs = 32;  // inputs per block
 // blocks [b0, b1) of contiguous rows x [T, K] (block b: inputs [32 b, 32 b + 32) of x, and of a.xq), quantized to
 // 8 bits as block_linear quantizes its activations
 void quantize_blocks(const float* x, const BlockActs& a, int64_t b0, int64_t b1);
-// tiles [tile0, tile1) of 16 outputs of every row into out (row stride ldo), as block_linear
-void block_tiles(const Blocks& w, const BlockActs& a, int64_t T, float* out, int64_t ldo, int64_t tile0,
-                 int64_t tile1, Isa isa);
+// the activations of the full tiles of 8 rows laid out by tile, as the AVX-512 path reads them (per row tile and
+// block: the rows' 32 bytes, xsum pairs, dx, dxsum side by side); all null where `isa`'s path reads a's rows as they
+// are (tile_acts: this thread's copy, valid until its next call; made once for the products that share a)
+struct TiledActs {
+  const int8_t* xq = nullptr;
+  const int32_t* xsum = nullptr;
+  const float* dx = nullptr;
+  const float* dxsum = nullptr;
+};
+TiledActs tile_acts(const BlockActs& a, int64_t T, int64_t K, Isa isa);
+// tiles [tile0, tile1) of 16 outputs of every row into out (row stride ldo), as block_linear (tiled: tile_acts(a),
+// or none: made here)
+void block_tiles(const Blocks& w, const BlockActs& a, const TiledActs& tiled, int64_t T, float* out, int64_t ldo,
+                 int64_t tile0, int64_t tile1, Isa isa);
 Isa block_isa();
 }  // namespace raw
 

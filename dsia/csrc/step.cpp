@@ -296,6 +296,8 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, const st
     auto products = [&](const StepGroup& g, const float* in, float* out) {
       auto [a, b] = share(g.units(), tid, n);
       int64_t base = 0;
+      raw::TiledActs tiled;  // (acts by row tile: made once for the group's block products, at the first in range)
+      bool tiled_made = false;
       for (const StepProduct& p : g.products) {
         const int64_t lo = std::max(a, base) - base, hi = std::min(b, base + p.units()) - base;
         base += p.units();
@@ -303,7 +305,11 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, const st
           continue;
         }
         if (p.blocks) {
-          raw::block_tiles(p.w, acts, T, out + p.offset, g.width, lo, hi, block_isa);
+          if (!tiled_made) {
+            tiled = raw::tile_acts(acts, T, p.w.K, block_isa);
+            tiled_made = true;
+          }
+          raw::block_tiles(p.w, acts, tiled, T, out + p.offset, g.width, lo, hi, block_isa);
         } else if (bf16) {  // (each sum rounded to bfloat16)
           raw::dense_range(in, p.dense16, out + p.offset, g.width, T, p.K, lo * p.unit(),
                            std::min(p.N, hi * p.unit()), dense_isa);

@@ -2,26 +2,32 @@
 
     python scripts/load_test.py (--url http://127.0.0.1:PORT/v1 | --start casspec|llama-server [--model FILE]
         [--weights native] [--llama-spec] [--threads 2] [--server-args "..."]) [--questions FILE] [--limit N]
-        [--per-category N] [--clients 1,2,4,8,16] [--requests-per-client N] [--max-tokens 128] [--temperature 0]
+        [--per-category N] [--clients 1,2,4,8,16] [--requests-per-client N] [--dealing queue|round-robin]
+        [--max-tokens 128] [--temperature 0]
         [--warmup 1] [--check-alone] [--burst] [--queue 16] [--api-key KEY] [--timeout 900] [--out results.json]
 
-The server is one already running (--url, its /v1 address) or one this script starts on a free local port and stops
-at the end: `--start casspec` runs `python -m casspec serve --port P --max-queue QUEUE [--model FILE] [--weights W]`
-(no --model: the embedded default model), `--start llama-server` the binary $CASSPEC_LLAMA_SERVER (else
-llama-server on PATH; docs/benchmarking.md says how to build it) as `-m FILE --host 127.0.0.1 --port P -t THREADS
--np C_MAX [--spec-default]` (no --model: the embedded GGUF; -np: the most clients of --clients). --server-args adds
-to the command line; a flag it names (--port, --max-queue, -t, -np, ...) replaces the script's own. Ready: GET /health
-answers 200. Its log goes to a temporary file (named in the JSON).
+The server is one already running (--url, its /v1 address: every level on it, a later one perhaps finding its prompts
+in the server's prompt cache) or one this script starts on a free local port and stops, afresh for the alone pass,
+each level and the burst: `--start casspec` runs `python -m casspec serve --port P --max-queue QUEUE [--model FILE]
+[--weights W]` (no --model: the embedded default model), `--start llama-server` the binary $CASSPEC_LLAMA_SERVER
+(else llama-server on PATH; docs/benchmarking.md says how to build it) as `-m FILE --host 127.0.0.1 --port P -t
+THREADS -np C_MAX [--spec-default]` (no --model: the embedded GGUF; -np: the most clients of --clients).
+--server-args adds to the command line; a flag it names (--port, --max-queue, -t, -np, ...) replaces the script's
+own. Ready: GET /health answers 200. Its log goes to a temporary file (named in the JSON).
 
 Every request is a streamed chat completion (the openai package's AsyncOpenAI, no retries) of one question's first
 turn, with max_tokens, temperature and stream_options.include_usage. For each concurrency level C, C clients run at
-once, each sending its requests one after the other: by default the questions dealt round-robin over the clients
-(every question once per level; each client one, repeating questions, when there are fewer questions than clients),
-or --requests-per-client N each. Measured per request: the time to the first non-empty content delta (TTFT), the
+once, each sending its requests one after the other. The requests: every question once per level (one a client,
+repeating questions, when there are fewer questions than clients), or --requests-per-client N a client. --dealing
+queue (the default, as vLLM's benchmark_serving --max-concurrency): the requests wait in one queue and each client
+takes the next as its last one ends, so C are in flight while any wait; round-robin: each client sends a fixed share
+dealt in turn (26 questions over 8 clients: two clients send 4, six send 3, and these six stand idle at the end; the
+"in flight" column shows it). Measured per request: the time to the first non-empty content delta (TTFT), the
 times between content deltas (ITL: a delta may carry several tokens), completion tokens (the usage chunk's, else the
 content deltas counted), the total time, the HTTP status and the text. A request is completed when its stream ended
 with a finish_reason; answered 429 or 503 when the server said so; else lost (an error status, an exception, a
 stream cut short). Reported per level: aggregate tokens/s (completed requests' tokens over the level's wall time),
+the requests in flight on average (the requests' seconds summed over the wall time),
 the median of per-request tokens/s, TTFT and ITL p50 / p99 (linear interpolation), TPOT p50 (time per output token
 after the first: (total - TTFT) / (tokens - 1), comparable where a server sends several tokens a delta, as a
 speculating one may), tokens per delta, lost, 429s and 503s, and with --check-alone the completed requests whose
@@ -47,7 +53,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import Any, Callable, Coroutine, Iterator, NoReturn
 
 import httpx
 import openai
@@ -142,7 +148,10 @@ def parser() -> Parser:
     p.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     p.add_argument("--clients", default="1,2,4,8,16", help="concurrency levels, comma-separated")
     p.add_argument("--requests-per-client", type=int, default=None,
-                   help="requests each client sends (default: the questions dealt over the clients, each once)")
+                   help="requests each client sends (queue: clients x N in all; default: each question once)")
+    p.add_argument("--dealing", choices=("queue", "round-robin"), default="queue",
+                   help="queue: each client takes the next question as its last request ends (default); "
+                        "round-robin: each client its fixed share, dealt in turn")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests before anything is measured")
@@ -196,6 +205,13 @@ def assignment(questions: int, clients: int, per_client: int | None) -> list[lis
             return [list(range(c, questions, clients)) for c in range(clients)]
         per_client = 1
     return [[(c + k * clients) % questions for k in range(per_client)] for c in range(clients)]
+
+
+def workload(questions: int, clients: int, per_client: int | None) -> list[int]:
+    """The question indices a level sends through its shared queue, in order: the same requests `assignment` deals
+    (each question once; one a client when there are fewer questions than clients; per_client a client)."""
+    count = max(questions, clients) if per_client is None else clients * per_client
+    return [i % questions for i in range(count)]
 
 
 def client(url: str, settings: Settings) -> AsyncOpenAI:
@@ -265,6 +281,20 @@ async def run_clients(url: str, model: str, prompts: list[str], plan: list[list[
         return time.perf_counter() - t0, [o for outs in done for o in outs]
 
 
+async def run_queue(url: str, model: str, prompts: list[str], queue: list[int], clients: int,
+                    settings: Settings) -> tuple[float, list[Outcome]]:
+    """`clients` clients at once taking the queue's questions in order, each the next one as its last request ends
+    (so that `clients` requests are in flight while any wait): (wall seconds, outcomes)."""
+    todo = iter(queue)  # (one event loop: next() is never interleaved)
+    async with client(url, settings) as api:
+        async def one_client(cid: int) -> list[Outcome]:
+            return [await send(api, model, prompts[q], settings, q, cid) for q in todo]
+
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(one_client(cid) for cid in range(clients)))
+        return time.perf_counter() - t0, [o for outs in done for o in outs]
+
+
 # ---------------------------------------------------------------------- statistics
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0-100), interpolated linearly between the closest ranks; None without values."""
@@ -289,6 +319,7 @@ def summarize(clients: int, wall: float, outs: list[Outcome], alone: dict[int, s
     differ = None if alone is None else sum(1 for o in done if o.question in alone and o.text != alone[o.question])
     return {"clients": clients, "requests": len(outs), "completed": len(done), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "in_flight_mean": sum(o.seconds for o in outs) / wall if wall > 0 else 0.0,
             "request_tokens_per_s_median": percentile(rates, 50),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
@@ -318,11 +349,11 @@ def num(value: float | None) -> str:
 
 def table(levels: list[dict]) -> str:
     """The levels as a markdown table."""
-    lines = ["| clients | requests | tokens | tok/s | req tok/s p50 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
-             "ITL p99 ms | TPOT p50 ms | tok/delta | lost | 429 | 503 | != alone |", "|" + "---|" * 15]
+    lines = ["| clients | requests | tokens | tok/s | in flight | req tok/s p50 | TTFT p50 ms | TTFT p99 ms | "
+             "ITL p50 ms | ITL p99 ms | TPOT p50 ms | tok/delta | lost | 429 | 503 | != alone |", "|" + "---|" * 16]
     for r in levels:
         differ = "-" if r["differ_from_alone"] is None else str(r["differ_from_alone"])
-        cells = [r["clients"], r["requests"], r["tokens"], num(r["tokens_per_s"]),
+        cells = [r["clients"], r["requests"], r["tokens"], num(r["tokens_per_s"]), num(r["in_flight_mean"]),
                  num(r["request_tokens_per_s_median"]), ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]),
                  ms(r["itl_p99_s"]), ms(r["tpot_p50_s"]), num(r["tokens_per_delta"]), r["lost"], r["http_429"],
                  r["http_503"], differ]
@@ -331,27 +362,39 @@ def table(levels: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------- one run
-async def run_all(url: str, model: str, prompts: list[str], levels: list[int], settings: Settings,
-                  per_client: int | None, warmup: int, check_alone: bool, burst: int | None) -> dict:
-    """Warm-up, the alone pass (check_alone), every level, the burst (burst: its size): the report's measurements."""
+async def warm(url: str, model: str, prompts: list[str], settings: Settings, warmup: int) -> None:
+    """--warmup requests (the first question), unmeasured."""
     if warmup:
         await run_clients(url, model, prompts, [[0] * warmup], settings)
-    report: dict = {"alone": None, "levels": [], "burst": None}
-    alone_texts = None
-    if check_alone:
-        wall, outs = await run_clients(url, model, prompts, [list(range(len(prompts)))], settings)
-        report["alone"] = summarize(1, wall, outs, None)
-        alone_texts = {o.question: o.text for o in outs if o.completed}
-    for c in levels:
-        wall, outs = await run_clients(url, model, prompts, assignment(len(prompts), c, per_client), settings)
-        report["levels"].append(summarize(c, wall, outs, alone_texts))
-        row = report["levels"][-1]
-        print(f"{c} clients: {row['tokens_per_s']:.1f} tok/s, lost {row['lost']}, 429 {row['http_429']}, "
-              f"503 {row['http_503']}", file=sys.stderr)
-    if burst:
-        _, outs = await run_clients(url, model, prompts, [[i % len(prompts)] for i in range(burst)], settings)
-        report["burst"] = burst_counts(outs)
-    return report
+
+
+async def run_level(url: str, model: str, prompts: list[str], clients: int, settings: Settings,
+                    per_client: int | None, dealing: str, warmup: int, alone: dict[int, str] | None) -> dict:
+    """One concurrency level (after the warm-up): its row."""
+    await warm(url, model, prompts, settings, warmup)
+    if dealing == "queue":
+        wall, outs = await run_queue(url, model, prompts, workload(len(prompts), clients, per_client), clients,
+                                     settings)
+    else:
+        wall, outs = await run_clients(url, model, prompts, assignment(len(prompts), clients, per_client), settings)
+    row = summarize(clients, wall, outs, alone)
+    print(f"{clients} clients: {row['tokens_per_s']:.1f} tok/s, lost {row['lost']}, 429 {row['http_429']}, "
+          f"503 {row['http_503']}", file=sys.stderr)
+    return row
+
+
+async def run_alone(url: str, model: str, prompts: list[str], settings: Settings, warmup: int) -> dict:
+    """Every question alone, one after the other (after the warm-up): the row, its texts compared with later."""
+    await warm(url, model, prompts, settings, warmup)
+    wall, outs = await run_clients(url, model, prompts, [list(range(len(prompts)))], settings)
+    return summarize(1, wall, outs, None)
+
+
+async def run_burst(url: str, model: str, prompts: list[str], settings: Settings, warmup: int, size: int) -> dict:
+    """`size` requests at once (after the warm-up): what came back."""
+    await warm(url, model, prompts, settings, warmup)
+    _, outs = await run_clients(url, model, prompts, [[i % len(prompts)] for i in range(size)], settings)
+    return burst_counts(outs)
 
 
 # ---------------------------------------------------------------------- the server
@@ -476,17 +519,36 @@ def cpu_name() -> str:
 
 # ---------------------------------------------------------------------- main
 def load_test(args: argparse.Namespace) -> dict:
-    """The whole run on checked arguments: the report (printed by main)."""
+    """The whole run on checked arguments: the report (printed by main). With --start, the alone pass, each level and
+    the burst each run on a server of their own, started afresh: on one server, a level after another would find its
+    prompts in the server's prompt (prefix) cache and skip their prefill (casspec 8 clients, native: 435 tok/s after
+    the 1-client level against 280-350 on a fresh server, AMD EPYC)."""
     levels = args.levels
     questions = read_questions(args.questions, limit=args.limit, per_category=args.per_category)
     prompts = [q.turns[0] for q in questions]
     settings = Settings(args.max_tokens, args.temperature, args.api_key, args.timeout)
-    with started(args, levels) as (url, argv, log):
-        model = model_name(url, args.api_key)
-        report = asyncio.run(run_all(url, model, prompts, levels, settings, args.requests_per_client, args.warmup,
-                                     args.check_alone, 2 * args.queue if args.burst else None))
+    servers: list[dict] = []
+
+    def on_server(run: Callable[[str, str], Coroutine[Any, Any, dict]]) -> dict:
+        """run(url, model) on a freshly started server (--start), or on --url's."""
+        with started(args, levels) as (url, argv, log):
+            model = model_name(url, args.api_key)
+            servers.append({"url": url, "start": args.start, "argv": argv, "log": log, "model": model})
+            return asyncio.run(run(url, model))
+
+    report: dict = {"alone": None, "levels": [], "burst": None}
+    if args.check_alone:
+        report["alone"] = on_server(lambda url, model: run_alone(url, model, prompts, settings, args.warmup))
+    alone = None if report["alone"] is None else \
+        {o["question"]: o["text"] for o in report["alone"]["outcomes"] if o["completed"]}
+    for c in levels:
+        report["levels"].append(on_server(lambda url, model: run_level(
+            url, model, prompts, c, settings, args.requests_per_client, args.dealing, args.warmup, alone)))
+    if args.burst:
+        report["burst"] = on_server(lambda url, model: run_burst(url, model, prompts, settings, args.warmup,
+                                                                 2 * args.queue))
     report.update({"cpu": cpu_name(), "cores": os.cpu_count(), "command": shlex.join([sys.argv[0], *args.argv]),
-                   "server": {"url": url, "start": args.start, "argv": argv, "log": log, "model": model},
+                   "server": servers[0], "servers_started": len(servers) if args.start else 0,
                    "questions": [{"question_id": q.question_id, "category": q.category} for q in questions],
                    "settings": {k: v for k, v in vars(args).items() if k not in ("api_key", "argv", "levels")}})
     return report
@@ -495,7 +557,8 @@ def load_test(args: argparse.Namespace) -> dict:
 def render(report: dict) -> str:
     """The header lines and the table, then the burst's line."""
     s = report["server"]
-    server = shlex.join(s["argv"]) if s["argv"] else f"already running at {s['url']}"
+    fresh = f"; a fresh one for each of {report['servers_started']} runs" if report["servers_started"] > 1 else ""
+    server = shlex.join(s["argv"]) + fresh if s["argv"] else f"already running at {s['url']}"
     cfg = report["settings"]
     lines = [f"CPU: {report['cpu']}, {report['cores']} cores", f"load test: {report['command']}",
              f"server: {server} (model {s['model']})",

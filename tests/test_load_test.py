@@ -1,12 +1,14 @@
 """scripts/load_test.py against a real `casspec serve` (a tiny engine on a local port, in a thread of this process,
 as tests/test_serve.py serves it): 1 and 2 concurrent streaming clients over 3 short questions, every request
-completed with its tokens, TTFT and ITL, the table's rows, and no text unlike the same request alone; the workload's
-deal, the percentiles, the started server's command line, and bad input as one error line with exit 2."""
+completed with its tokens, TTFT and ITL, the table's rows, and no text unlike the same request alone; the shared
+queue and the round-robin deal, a started server afresh for each level, the percentiles, the started server's
+command line, and bad input as one error line with exit 2."""
 import argparse
 import importlib.util
 import json
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -59,7 +61,9 @@ def test_two_levels_lose_nothing_and_every_text_equals_alone(url, questions, tmp
         for o in row["outcomes"]:
             assert o["status"] == 200 and o["finish_reason"] in ("stop", "length") and o["text"] and o["tokens"] >= 1
     assert [r["differ_from_alone"] for r in report["levels"]] == [0, 0]
-    assert sorted(o["client"] for o in report["levels"][1]["outcomes"]) == [0, 0, 1]  # questions dealt round-robin
+    level2 = report["levels"][1]  # a shared queue: each question once, the two clients taking them as they end
+    assert sorted(o["question"] for o in level2["outcomes"]) == [0, 1, 2]
+    assert {o["client"] for o in level2["outcomes"]} == {0, 1} and 0 < level2["in_flight_mean"] <= 2.0 + 1e-6
     burst = report["burst"]  # 4 at once on a queue of 2: the first runs, 2 wait, the rest may get 429
     assert burst["requests"] == 4 and burst["lost"] == 0
     assert burst["completed_200"] + burst["http_429"] + burst["http_503"] == 4 and burst["completed_200"] >= 3
@@ -67,9 +71,42 @@ def test_two_levels_lose_nothing_and_every_text_equals_alone(url, questions, tmp
     lines = printed.splitlines()
     assert lines[0].startswith("CPU: ") and "--clients 1,2" in lines[1] and f"already running at {url}" in lines[2]
     rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 2 |")]
-    assert len(rows) == 2 and all(row.count("|") == 16 for row in rows), rows  # 15 columns
+    assert len(rows) == 2 and all(row.count("|") == 17 for row in rows), rows  # 16 columns
     assert all(row.endswith("| 0 | 0 | 0 | 0 |") for row in rows), rows  # lost, 429, 503, != alone
     assert any(line.startswith("burst: 4 requests at once") and line.endswith("0 lost") for line in lines)
+
+
+def test_round_robin_dealing_gives_each_client_its_fixed_share(url, questions, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    rc = load().main(["--url", url, "--questions", str(questions), "--clients", "2", "--max-tokens", "4",
+                      "--temperature", "0", "--dealing", "round-robin", "--warmup", "0", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    level = json.loads(out.read_text())["levels"][0]
+    assert sorted((o["client"], o["question"]) for o in level["outcomes"]) == [(0, 0), (0, 2), (1, 1)]
+    assert level["lost"] == 0 and level["completed"] == 3
+
+
+def test_a_started_server_is_fresh_for_each_level(url, questions, tmp_path, monkeypatch, capsys):
+    """With --start, the alone pass, each level and the burst each go through a server start of their own (a later
+    level on the same server would find its prompts in the prefix cache)."""
+    mod = load()
+    starts = []
+
+    @contextmanager
+    def fake_started(args, levels):  # (the module's test server stands in for each start)
+        starts.append(levels)
+        yield url, ["casspec", "serve"], None
+
+    monkeypatch.setattr(mod, "started", fake_started)
+    out = tmp_path / "results.json"
+    rc = mod.main(["--start", "casspec", "--questions", str(questions), "--clients", "1,2", "--max-tokens", "4",
+                   "--temperature", "0", "--check-alone", "--burst", "--queue", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    report = json.loads(out.read_text())
+    assert len(starts) == 4 and report["servers_started"] == 4  # alone, level 1, level 2, burst
+    assert "a fresh one for each of 4 runs" in printed.splitlines()[2]
+    assert [r["differ_from_alone"] for r in report["levels"]] == [0, 0]
 
 
 def test_the_deal_and_the_percentiles():
@@ -77,6 +114,9 @@ def test_the_deal_and_the_percentiles():
     assert mod.assignment(5, 2, None) == [[0, 2, 4], [1, 3]]
     assert mod.assignment(2, 4, None) == [[0], [1], [0], [1]]
     assert mod.assignment(3, 2, 3) == [[0, 2, 1], [1, 0, 2]]
+    assert mod.workload(5, 2, None) == [0, 1, 2, 3, 4]  # the same requests through one queue
+    assert mod.workload(2, 4, None) == [0, 1, 0, 1]
+    assert mod.workload(3, 2, 3) == [0, 1, 2, 0, 1, 2]
     assert mod.percentile([], 50) is None
     assert mod.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert mod.percentile([0.0, 10.0], 99) == pytest.approx(9.9)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from dsia.levels import Level, reads_kv_of
+from dsia.topk import argmax_rows
 
 from .ngram import Lookup
 from .policies import DraftContext, Policy, prune
@@ -84,7 +85,7 @@ class ChainBuilder:
                     self.alts[upto + r] = dict(zip(i, p))
             if ctx.coupled:
                 return top_i[:, 0].tolist()
-        return rows.argmax(-1).tolist()
+        return argmax_rows(rows).tolist()
 
     def forget_after(self, j: int) -> None:
         """Drop the alternatives recorded after chain index j (they followed proposal tokens not kept)."""

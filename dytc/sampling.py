@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from dsia.errors import CasspecError
-from dsia.topk import top_k, top_k_logsumexp
+from dsia.topk import argmax_rows, top_k, top_k_logsumexp
 
 from .verify import SEED_MODULUS, Noise, own_noise
 
@@ -54,7 +54,7 @@ def warp(logits: Tensor, params: SamplingParams) -> Tensor:
     """logits [N, V] -> probabilities [N, V] (float32). Greedy gives the one-hot of the argmax."""
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax_rows(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dsia.cxx import build_error
+from dsia.topk import argmax_rows
 
 from .tree import DraftTree
 
@@ -26,7 +27,7 @@ POSITION_STRIDE = 1_000_003  # a prime above any context length: (seed, position
 
 def verify_greedy(tree: DraftTree, logits: Tensor) -> tuple[list[int], int]:
     """logits [N, V] of the target at every node -> (accepted path of nodes from the root, bonus token)."""
-    best = logits.argmax(-1).tolist()  # [N]
+    best = argmax_rows(logits).tolist()  # [N]
     children = tree.children()
     node, path = 0, [0]
     while True:

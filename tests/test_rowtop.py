@@ -1,13 +1,14 @@
 """casspec's row top-k and log-sum-exp (dsia/csrc/rowtop.cpp, dsia/topk.py): torch.topk's values, the lower index
-first among equal ones, the row's log-sum-exp, NaN ranked below every number, bad arguments one clear error; and
-the draft probabilities built on it are the ones ATen's softmax and top-k give."""
+first among equal ones, the row's log-sum-exp, NaN ranked below every number, bad arguments one clear error; the
+greedy token built on it is torch.argmax's on either path; and the draft probabilities built on it are the ones
+ATen's softmax and top-k give."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsia.cxx import build_error
-from dsia.topk import top_k, top_k_logsumexp
+from dsia.topk import argmax_rows, top_k, top_k_logsumexp
 
 pytestmark = pytest.mark.skipif(build_error() is not None, reason=f"the C++ ops did not build: {build_error()}")
 
@@ -79,3 +80,20 @@ def test_the_draft_probabilities_are_the_softmax_at_the_top_tokens():
     ref = torch.softmax(x, -1).topk(4, dim=-1)
     assert torch.equal(indices, ref.indices)
     assert torch.allclose(probs, ref.values, rtol=1e-5, atol=1e-7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 6), V=st.integers(1, 3000), ties=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_the_greedy_token_is_torch_argmax_on_either_path(T, V, ties, seed):
+    """argmax_rows (the target's greedy token: casspec's op on rows of unit stride, ATen's argmax else): the index
+    torch.argmax gives, the lowest of equal largest entries; a NaN read as -inf on both paths."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, V, generator=gen) * 6
+    if ties:
+        x = x.round()
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    strided = x.t().contiguous().t()  # (the same values, rows of stride T: ATen's path)
+    assert torch.equal(argmax_rows(strided), x.argmax(-1))
+    x[0, 0] = float("nan")
+    expect = torch.nan_to_num(x, nan=float("-inf")).argmax(-1)
+    assert torch.equal(argmax_rows(x), expect) and torch.equal(argmax_rows(x.t().contiguous().t()), expect)

@@ -22,7 +22,7 @@ import torch
 
 from dsia.kvcache import KVCache
 from dsia.model import BatchItem, Transformer
-from dsia.topk import top_k_logsumexp
+from dsia.topk import argmax_rows, top_k_logsumexp
 from dytc.latency import TARGET_LEVEL, LatencyModel
 from dytc.policies import DraftContext, Policy
 from dytc.sampling import SamplingParams, coupled_top, warp
@@ -180,7 +180,7 @@ def predicted_verify_ms(latency: LatencyModel, cache: KVCache, tree: DraftTree) 
 def pick(logits: torch.Tensor, sampling: SamplingParams, noise: Noise | None, position: int) -> int:
     """The target's token after the last row of logits [T, V], at sequence position `position`."""
     if sampling.greedy or noise is None:
-        return int(logits[-1].argmax())
+        return int(argmax_rows(logits[-1:])[0])
     return int(coupled_top(logits[-1:].cpu(), sampling, noise, [position], 1)[1][0, 0])
 
 

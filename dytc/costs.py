@@ -13,24 +13,25 @@ COST_REFRESH_STEPS = 4  # the router predicts its tables again after this many s
 
 
 def cost_tables(latency: LatencyModel | None, levels: list[str], context: int, n_max: int,
-                constant_cost: float | None = None, others: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                constant_cost: float | None = None, batched: bool = False) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Verification ms by node count, and each level's forward ms by token count, at `context` committed tokens
     ([n_max + 1] each, index 0 unused). constant_cost (ablation, no predictor): a verification costs 1 whatever its
-    size, a level forward this fraction of it. others: rows of other generations the same forward verifies (a
-    batched step): a tree of N nodes then costs the whole forward over others + N rows."""
+    size, a level forward this fraction of it. batched: the verification is a forward that other generations' rows
+    share (a batched step), by its rows in all: a tree of N nodes beside `others` rows costs entry others + N (one
+    table for every load; its first row is no one-token step)."""
     T = np.arange(1, n_max + 1)
     if constant_cost is not None:
         flat = np.concatenate([[0.0], np.full(n_max, constant_cost)])
         return np.concatenate([[0.0], np.ones(n_max)]), {name: flat for name in levels}
     rows = latency.spec.feature_rows(T, context, True) if latency is not None else None  # [n_max, F] shared
-    v = _verify(latency, T + others, context, others > 0, None if others else rows)
+    v = _verify(latency, T, context, batched, rows)
     verify_ms = np.concatenate([[0.0], np.maximum(v, MIN_MS)])
     level_ms = {}
     for name in levels:
         if latency is not None and latency.known(name):
             c = latency.predict_mean(name, T, context, tree=True, rows=rows)
         else:  # not profiled and not run yet: a share of a target forward of as many tokens, until it is timed
-            c = GUESS_LEVEL_SHARE * (verify_ms[T] if not others else _verify(latency, T, context, False))
+            c = GUESS_LEVEL_SHARE * (verify_ms[T] if not batched else _verify(latency, T, context, False))
         level_ms[name] = np.concatenate([[0.0], np.maximum(c, MIN_MS)])
     return verify_ms, level_ms
 

@@ -90,10 +90,10 @@ class DyTC(Policy):
         self.explore_steps, self.explore_loss = 0, 0.0  # steps a level was forced into; throughput they gave up
         self.free_tests = 0  # lookup tokens tested without being drafted (router_step.unused_proposals)
         self.overhead_ms = 0.0  # O: the router's own ms per step (its drafting time less level forwards), running mean
-        # the cost tables (step predicted at, other generations' rows, verify_ms, level_ms), predicted again every
-        # COST_REFRESH_STEPS steps and when a batched step's other rows change
-        self.tables: dict[int, tuple[int, int, list[float], dict[str, list[float]]]] = {}  # by the other
-        # generations' rows in the step (batched; 0 alone): (step predicted, those rows, verify ms, level ms)
+        # the cost tables alone and batched (by the forward's rows in all, for every load: one a load was 1314
+        # predictions for the 26 dev turns natively 8 at a time, AMD EPYC): (step predicted at, verify ms, level ms),
+        # predicted again every COST_REFRESH_STEPS steps or when too short
+        self.tables: dict[bool, tuple[int, list[float], dict[str, list[float]]]] = {}
         self.target_top_k = RECYCLE_K if RECYCLE in cfg.lookups else 0  # recycle learns the target's candidates
 
     # ------------------------------------------------------------------ lifecycle
@@ -144,16 +144,18 @@ class DyTC(Policy):
         throughput, the others' rows in the verification's cost, their tokens in E, their drafting in D."""
         load = ctx.load if self.cfg.constant_cost is None else None
         others = load.rows if load is not None else 0
-        t = self.tables.get(others)
-        if t is None or self.steps - t[0] >= COST_REFRESH_STEPS or len(t[2]) <= n_max:
-            verify_ms, level_ms = cost_tables(ctx.latency, list(self.levels), ctx.cache.length, n_max,
-                                              self.cfg.constant_cost, others)
+        batched = others > 0
+        t = self.tables.get(batched)
+        if t is None or self.steps - t[0] >= COST_REFRESH_STEPS or len(t[1]) <= others + n_max:
+            rows = 2 * (others + n_max) if batched else n_max  # (room for the load to grow before it is predicted)
+            verify_ms, level_ms = cost_tables(ctx.latency, list(self.levels), ctx.cache.length, rows,
+                                              self.cfg.constant_cost, batched)
             measured = ctx.latency is not None and all(map(ctx.latency.known, [TARGET_LEVEL, *self.levels]))
-            self.tables = {k: v for k, v in self.tables.items() if self.steps - v[0] < COST_REFRESH_STEPS}
-            t = self.tables[others] = (self.steps if measured else -COST_REFRESH_STEPS,  # (guesses: again next)
-                                       others, verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
+            t = self.tables[batched] = (self.steps if measured else -COST_REFRESH_STEPS,  # (guesses: again next)
+                                        verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
+        verify = [0.0, *t[1][others + 1:others + n_max + 1]] if batched else t[1]  # (by node count)
         overhead = self.overhead_ms if self.cfg.step_overhead and self.cfg.constant_cost is None else 0.0
-        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], t[2], t[3],
+        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], verify, t[2],
                     spent=overhead + (load.draft_ms if load else 0.0), base=load.tokens if load else 0.0)
 
     # ------------------------------------------------------------------ drafting

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from dytc.acceptance import AcceptanceTracker
 from dytc.latency import TARGET_LEVEL, FeatureSpec, LatencyModel, Point
 from dytc.policies import DraftContext, Load
+import dytc.router as router_module
 from dytc.router import DyTC, RouterConfig
 from dytc.sampling import SamplingParams
 from casspec.runtime.batch import Batch
@@ -111,6 +113,32 @@ def test_dytc_drafts_less_as_the_batch_around_it_widens(engine):
 
     assert router(None) > 1
     assert router(Load(rows=63, tokens=60.0, draft_ms=0.0)) == 1
+    engine.forget_prefix()
+
+
+def test_one_batched_cost_table_serves_every_load(engine, monkeypatch):
+    """A batched step's verification costs come from one table by the forward's rows in all: a tree of N nodes beside
+    `others` rows costs the latency model's prediction for others + N rows; loads that change from step to step are
+    served by the table predicted once (not one table a load)."""
+    calls = []
+    real = router_module.cost_tables
+    monkeypatch.setattr(router_module, "cost_tables", lambda *a, **k: calls.append(a) or real(*a, **k))
+    latency = _latency(50.0, 5.0)
+    dytc = DyTC([engine.levels.get("int4")], AcceptanceTracker(), RouterConfig(levels=("int4",), lookups=()))
+    prompt = [5, 6, 7, 8, 9, 10]
+    engine.cache.rollback(0)
+    engine.extend_prefix(prompt)
+    ctx = DraftContext(engine.model, engine.cache, prompt + [11], SamplingParams(), None, engine.eos_ids, budget=50,
+                       latency=latency)
+    dytc.begin(ctx)
+    for others in (5, 9, 3, 12):
+        ctx.load = Load(rows=others, tokens=float(others), draft_ms=0.0)
+        step = dytc.new_step(ctx, 16)
+        assert len(step.verify_ms) == 17
+        for n in (1, 2, 7, 16):
+            predicted = latency.predict_mean(TARGET_LEVEL, np.array([others + n]), engine.cache.length, tree=True)[0]
+            assert step.verify_ms[n] == pytest.approx(predicted, rel=1e-9), (others, n)
+    assert len(calls) == 1
     engine.forget_prefix()
 
 

@@ -53,7 +53,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Iterator, NoReturn
+from typing import Any, Callable, Coroutine, Iterable, Iterator, NoReturn, Sequence
 
 import httpx
 import openai
@@ -269,29 +269,16 @@ def tpot(o: Outcome) -> float | None:
     return None if o.ttft_s is None or o.tokens < 2 else (o.seconds - o.ttft_s) / (o.tokens - 1)
 
 
-async def run_clients(url: str, model: str, prompts: list[str], plan: list[list[int]],
+async def run_clients(url: str, model: str, prompts: list[str], plan: Sequence[Iterable[int]],
                       settings: Settings) -> tuple[float, list[Outcome]]:
-    """The clients of `plan` at once, each sending its questions one after the other: (wall seconds, outcomes)."""
+    """The clients of `plan` at once, each sending its questions one after the other (clients given one iterator
+    share it: each takes the next question as its last request ends): (wall seconds, outcomes)."""
     async with client(url, settings) as api:
-        async def one_client(cid: int, questions: list[int]) -> list[Outcome]:
+        async def one_client(cid: int, questions: Iterable[int]) -> list[Outcome]:
             return [await send(api, model, prompts[q], settings, q, cid) for q in questions]
 
         t0 = time.perf_counter()
         done = await asyncio.gather(*(one_client(cid, qs) for cid, qs in enumerate(plan)))
-        return time.perf_counter() - t0, [o for outs in done for o in outs]
-
-
-async def run_queue(url: str, model: str, prompts: list[str], queue: list[int], clients: int,
-                    settings: Settings) -> tuple[float, list[Outcome]]:
-    """`clients` clients at once taking the queue's questions in order, each the next one as its last request ends
-    (so that `clients` requests are in flight while any wait): (wall seconds, outcomes)."""
-    todo = iter(queue)  # (one event loop: next() is never interleaved)
-    async with client(url, settings) as api:
-        async def one_client(cid: int) -> list[Outcome]:
-            return [await send(api, model, prompts[q], settings, q, cid) for q in todo]
-
-        t0 = time.perf_counter()
-        done = await asyncio.gather(*(one_client(cid) for cid in range(clients)))
         return time.perf_counter() - t0, [o for outs in done for o in outs]
 
 
@@ -372,11 +359,11 @@ async def run_level(url: str, model: str, prompts: list[str], clients: int, sett
                     per_client: int | None, dealing: str, warmup: int, alone: dict[int, str] | None) -> dict:
     """One concurrency level (after the warm-up): its row."""
     await warm(url, model, prompts, settings, warmup)
-    if dealing == "queue":
-        wall, outs = await run_queue(url, model, prompts, workload(len(prompts), clients, per_client), clients,
-                                     settings)
+    if dealing == "queue":  # (one iterator shared by every client; one event loop: next() is never interleaved)
+        plan: Sequence[Iterable[int]] = [iter(workload(len(prompts), clients, per_client))] * clients
     else:
-        wall, outs = await run_clients(url, model, prompts, assignment(len(prompts), clients, per_client), settings)
+        plan = assignment(len(prompts), clients, per_client)
+    wall, outs = await run_clients(url, model, prompts, plan, settings)
     row = summarize(clients, wall, outs, alone)
     print(f"{clients} clients: {row['tokens_per_s']:.1f} tok/s, lost {row['lost']}, 429 {row['http_429']}, "
           f"503 {row['http_503']}", file=sys.stderr)

@@ -34,6 +34,7 @@ from dsia.levels import Level
 from dsia.model import Transformer
 from dsia.topk import top_k_logsumexp
 
+from .batchcost import BatchCost
 from .latency import TARGET_LEVEL, LatencyModel
 from .ngram import PLD_MAX_NGRAM, PLD_NUM_TOKENS, Lookup, PromptLookup
 from .sampling import SamplingParams, coupled_top, sample, warp
@@ -51,6 +52,16 @@ class Load:
     rows: int  # the other generations' rows in the step's target forward (not joining prompts' chunks: batch.py)
     tokens: float  # the tokens they are expected to emit
     draft_ms: float  # their drafting time (the step waits for it)
+    generations: int = 0  # how many they are
+    cost: BatchCost | None = None  # the batch's steps' measured cost (batchcost.py), where it keeps one
+    drafts: bool = True  # False: the batch's measured goodput says verify the root alone (SpeculationSwitch)
+
+    def step_ms(self, n_max: int) -> list[float] | None:
+        """[n_max + 1]: the step's measured cost where this generation's tree has N = 1 .. n_max nodes beside the
+        others' (index 0 unused); None until the batch has measured enough steps."""
+        if self.cost is None or not self.cost.ready:
+            return None
+        return self.cost.table(self.generations + 1, self.rows - self.generations, n_max)
 
 
 @dataclass

@@ -125,9 +125,8 @@ class DyTC(Policy):
 
     def report(self) -> dict:
         nodes, most, steps = self.tree_sizes
-        return {"steps": self.steps, "fallback_steps": self.fallback_steps,
+        return {"steps": self.steps, "fallback_steps": self.fallback_steps, "drafted_by_source": dict(self.drafted),
                 "mean_tree_nodes": nodes / steps if steps else 1.0, "max_tree_nodes": most or 1,
-                "drafted_by_source": dict(self.drafted),
                 "acceptance_by_source": {s: (k / n if n else 0.0) for s, (n, k) in self.outcomes.items()},
                 "tested_by_source": {s: n for s, (n, _) in self.outcomes.items()},
                 "accepted_by_source": {s: k for s, (_, k) in self.outcomes.items()},
@@ -141,10 +140,9 @@ class DyTC(Policy):
     def new_step(self, ctx: DraftContext, n_max: int) -> Step:
         """A step holding the root alone, with the cost tables (predicted again where COST_REFRESH_STEPS have passed
         or they are too short for n_max nodes); its time spent starts at O. Batched (ctx.load): the whole step's
-        throughput, the others' rows in the verification's cost, their tokens in E, their drafting in D."""
+        throughput, its time the batch's measured steps' (Load.step_ms) or the others' rows and drafting added."""
         load = ctx.load if self.cfg.constant_cost is None else None
-        others = load.rows if load is not None else 0
-        batched = others > 0
+        batched = (others := load.rows if load is not None else 0) > 0
         t = self.tables.get(batched)
         if t is None or self.steps - t[0] >= COST_REFRESH_STEPS or len(t[1]) <= others + n_max:
             rows = 2 * (others + n_max) if batched else n_max  # (room for the load to grow before it is predicted)
@@ -155,8 +153,10 @@ class DyTC(Policy):
                                         verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
         verify = [0.0, *t[1][others + 1:others + n_max + 1]] if batched else t[1]  # (by node count)
         overhead = self.overhead_ms if self.cfg.step_overhead and self.cfg.constant_cost is None else 0.0
-        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], verify, t[2],
-                    spent=overhead + (load.draft_ms if load else 0.0), base=load.tokens if load else 0.0)
+        measured = load.step_ms(n_max) if batched else None  # (the batch's steps: everyone's drafting in them)
+        return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], measured or verify, t[2],
+                    spent=0.0 if measured else overhead + (load.draft_ms if load else 0.0),
+                    base=load.tokens if load else 0.0)
 
     # ------------------------------------------------------------------ drafting
     def draft(self, ctx: DraftContext) -> DraftTree:
@@ -170,7 +170,7 @@ class DyTC(Policy):
     def _grow(self, ctx: DraftContext) -> DraftTree:
         """This step's tree, grown greedily on the step's predicted throughput (module docstring)."""
         cfg = self.cfg
-        n_max = max(1, min(cfg.max_nodes, ctx.room))
+        n_max = max(1, min(cfg.max_nodes, ctx.room)) if ctx.load is None or ctx.load.drafts else 1
         step = self.step = self.new_step(ctx, n_max)
         self.steps += 1
         forced = stale_level(self.cfg, step, self.last_drafted, self.steps)

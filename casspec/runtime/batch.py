@@ -24,6 +24,7 @@ import torch
 
 from dsia.gcpause import paused_gc
 from dsia.model import BatchItem
+from dytc.batchcost import BatchCost, SpeculationSwitch
 from dytc.policies import Load
 
 from .live import CacheSlot, Live
@@ -82,6 +83,7 @@ class BatchStats:
     prefix_hits: int = 0  # prompts that took kept KV (Batch.prefixes)
     prefix_tokens: int = 0  # the prompt tokens whose forward that saved
     prompt_chunks: int = 0  # chunks of joining prompts run in the steps' forwards
+    undrafted: int = 0  # batched steps that drafted nothing (SpeculationSwitch: their goodput measured the better)
 
 
 @dataclass
@@ -104,6 +106,10 @@ class Batch:
     joining: list[Joining] = field(default_factory=list)  # generations whose prompt is running in chunks
     given_up: list[object] = field(default_factory=list)  # owners of joining generations cancelled before their
     # first token (their callers are told by whoever drives the batch: `take_given_up`)
+    cost: BatchCost = field(default_factory=BatchCost)  # its steps' wall time by generations and drafted nodes,
+    # which the generations' drafts are weighed against (dytc/batchcost.py)
+    switch: SpeculationSwitch = field(default_factory=SpeculationSwitch)  # whether a step drafts at all, by the
+    # goodput its steps measured with and without drafts at that width
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -176,11 +182,15 @@ class Batch:
         if not runs and not self.joining:
             return []
         with self.engine.hold(), paused_gc():
+            started, levels_s = time.perf_counter(), sum(r.dec.stats.draft_forward_seconds for r in runs)
             total = LastStep(*(sum(column) for column in zip(*(r.last for r in runs))))
+            drafts = self.switch.drafts(len(runs)) if len(runs) > 1 else True
+            self.stats.undrafted += not drafts
             trees = []
             for r in runs:  # draft
                 r.dec.ctx.load = Load(total.rows - r.last.rows, total.tokens - r.last.tokens,
-                                      total.draft_ms - r.last.draft_ms) if len(runs) > 1 else None
+                                      total.draft_ms - r.last.draft_ms, len(runs) - 1, self.cost,
+                                      drafts) if len(runs) > 1 else None
                 ms0 = r.dec.stats.draft_seconds
                 trees.append((r.dec, r.dec.draft()))
                 r.last = r.last._replace(draft_ms=(r.dec.stats.draft_seconds - ms0) * 1e3)
@@ -193,6 +203,11 @@ class Batch:
                 emitted = dec.accept(tree, lg)  # accept, update
                 r.last = r.last._replace(rows=len(tree), tokens=float(len(emitted)))
                 out.append((r, r.live.feed(emitted)))
+            if len(runs) > 1 and not chunks:  # (a prompt's chunk riding in it: not a step of these alone)
+                ms = (time.perf_counter() - started) * 1e3
+                self.switch.observe(len(runs), drafts, sum(int(r.last.tokens) for r in runs), ms)
+                levels_ms = (sum(r.dec.stats.draft_forward_seconds for r in runs) - levels_s) * 1e3
+                self.cost.observe(len(runs), sum(len(t) for _, t in trees), ms - levels_ms)  # (levels: per action)
             out += self._prefilled(chunks, logits[len(trees):], seconds)
             self._count(trees)
         return out

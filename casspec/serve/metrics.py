@@ -36,6 +36,7 @@ BATCH_COUNTERS = {  # BatchStats field -> help text; exported as casspec:batch_<
     "prefix_hits": "Prompts that started with a kept prefix of their client's (--prefix-cache-mb) and copied its KV.",
     "prefix_tokens": "Prompt tokens whose forward those copies saved.",
     "prompt_chunks": "Chunks of joining prompts run in the steps' forwards (--prefill-chunk).",
+    "undrafted": "Steps of several requests that drafted nothing (their measured goodput the better at that width).",
 }
 
 

@@ -105,6 +105,35 @@ def test_learned_state_is_kept_between_engines_and_a_bad_file_is_ignored(cache):
     assert StateFile.of(machine_info("cpu"), "tiny-llama", "float32", "blas (T 1+)").path != state.path
 
 
+def test_a_batch_writes_the_learned_state_when_its_last_generation_ends(cache, monkeypatch):
+    """A generation ending beside others (a batch's) does not stall them to write the state; the last one to end
+    writes it (and one beside others does, once STATE_WRITE_EVERY_S have passed)."""
+    from casspec.runtime.batch import Batch
+
+    eng = tiny_engine(keep_state=True)
+    writes = []
+    real = StateFile.save
+    monkeypatch.setattr(StateFile, "save", lambda self, *a: writes.append(1) or real(self, *a))
+    batch = Batch(eng, 2)
+    for n in (4, 12):
+        batch.join(PROMPT, Request(max_new_tokens=n, method="dytc"))
+    ended = []
+    while batch.running:
+        batch.step()
+        for run in [r for r in batch.running if r.done]:
+            batch.leave(run)
+            ended.append(len(writes))
+    assert ended == [0, 1]
+    eng._state_written -= 3600  # (an hour ago)
+    batch.join(PROMPT, Request(max_new_tokens=4, method="dytc"))
+    batch.join(PROMPT, Request(max_new_tokens=12, method="dytc"))
+    while batch.running:
+        batch.step()
+        for run in [r for r in batch.running if r.done]:
+            batch.leave(run)
+    assert len(writes) == 3  # the first to end (an hour since the last write), then the last
+
+
 @pytest.fixture
 def tiny_auto(monkeypatch):
     """The profile made on first use over a tiny grid, counting its measurements."""

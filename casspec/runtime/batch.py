@@ -259,7 +259,7 @@ class Batch:
         self.free.append(run.slot)
         run.dec.finish()
         with self.engine.hold():
-            return self.engine.close(run.live)
+            return self.engine.close(run.live, busy=self.busy)
 
     def drop(self, run: Running | Joining) -> None:
         """Give a generation up without its Result (a step failed under it, or it was cancelled while joining): its

@@ -16,3 +16,5 @@ ROUTED_LEVELS = (LEVEL, "int4+vocab")  # dytc's levels on a CPU
 HC_SEGMENTS = ((LEVEL, 4), ("int4+vocab", 3), (PLD, 3))  # hc's k-matrix row on a CPU (level or lookup, tokens)
 GPU_LEVEL = "skip0.4"  # the draft level of every multi-level method on a GPU
 BENCH_MAX_NEW_TOKENS = 128  # tokens per turn in bench, ablations and the levels report (Spec-Bench's own runs)
+STATE_WRITE_EVERY_S = 60.0  # a generation ending while others run (a batch's) writes the learned state only this
+# long after the last write (the write stalls them); one ending alone writes it at once

@@ -30,36 +30,51 @@ MIN_STEPS = 8  # steps before the fit is used
 RIDGE = 1e-3  # the ridge penalty on standardised features (the fit stays defined when generations never vary)
 
 
+def _terms(g: int, e: int, y: float) -> np.ndarray:
+    """One step's terms of BatchCost.sums."""
+    return np.array([1.0, g, e, y, g * g, e * e, g * e, g * y, e * y])
+
+
 class BatchCost:
     """A batched step's wall time (ms) by its generations and drafted nodes, fitted online."""
 
     def __init__(self) -> None:
         self.points: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (generations, extra nodes, ms)
+        self.sums = np.zeros(9)  # over the window: n, g, e, y, gg, ee, ge, gy, ey (kept as points come and go)
         self._coef: tuple[float, float, float] | None = None  # (a, b, c), or None until fitted again
 
     def observe(self, generations: int, rows: int, ms: float) -> None:
         """One batched step: its generations, the rows their trees had in all, its wall time (less level forwards)."""
         if generations < 1 or rows < generations or not np.isfinite(ms) or ms <= 0:
             return
+        if len(self.points) == WINDOW:
+            self.sums -= _terms(*self.points[0])
         self.points.append((generations, rows - generations, float(ms)))
+        self.sums += _terms(*self.points[-1])
         self._coef = None
 
     @property
     def ready(self) -> bool:
         """Enough steps, and steps with different numbers of drafted nodes (c measured)."""
-        return len(self.points) >= MIN_STEPS and len({e for _, e, _ in self.points}) >= 2
+        return len(self.points) >= MIN_STEPS and self._spread()[1] > 0
+
+    def _spread(self) -> tuple[float, float]:
+        """The window's variance of generations and of drafted nodes."""
+        n, g, e, _, gg, ee = self.sums[:6]
+        return gg / n - (g / n) ** 2, ee / n - (e / n) ** 2
 
     def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, c): ms of a step, per generation, per drafted node (c at least 0: a node is never free)."""
+        """(a, b, c): ms of a step, per generation, per drafted node (c at least 0: a node is never free). Ridge on
+        standardised features, intercept free: (Cov + RIDGE diag(var)) (b, c) = Cov(x, y), a = mean y - (b, c) .
+        mean x (a feature that never varied: variance taken as 1, its coefficient then 0)."""
         if self._coef is None:
-            data = np.array(self.points, dtype=np.float64)  # [K, 3]
-            x, y = data[:, :2], data[:, 2]  # [K, 2] (generations, extra), [K]
-            mean, std = x.mean(0), x.std(0)
-            std[std == 0] = 1.0
-            z = np.column_stack([np.ones(len(x)), (x - mean) / std])  # [K, 3]
-            w = np.linalg.solve(z.T @ z + RIDGE * len(x) * np.diag([0.0, 1.0, 1.0]), z.T @ y)  # [3]
-            b, c = w[1] / std[0], max(0.0, w[2] / std[1])
-            self._coef = (float(w[0] - b * mean[0] - w[2] / std[1] * mean[1]), float(b), float(c))
+            n, g, e, y, gg, ee, ge, gy, ey = self.sums
+            vg, ve = (v if v > 1e-12 else 0.0 for v in self._spread())
+            cge, cgy, cey = ge / n - g * e / n ** 2, gy / n - g * y / n ** 2, ey / n - e * y / n ** 2
+            m = np.array([[vg + RIDGE * (vg or 1.0), cge], [cge, ve + RIDGE * (ve or 1.0)]])
+            b, c = np.linalg.solve(m, np.array([cgy, cey]))
+            a = y / n - b * g / n - c * e / n
+            self._coef = (float(a), float(b), float(max(0.0, c)))
         return self._coef
 
     def step_ms(self, generations: int, extra: int) -> float:

@@ -37,6 +37,7 @@ int64_t StepGroup::units() const {
 namespace {
 
 const char* kWhat = "casspec Stack (one-region step)";
+constexpr int64_t kQuantizeRun = 48;  // silu's items (blocks of 32) quantized in one call (a SmolLM2 row's 1536)
 
 // slot j as a product of `offset` in its group's buffer with `in` inputs, or nullopt where it is neither GGUF
 // blocks (codes, scales as block_linear reads them; float32 calls) nor a dense weight [N, in] in `dtype`
@@ -419,14 +420,18 @@ std::tuple<at::Tensor, at::Tensor> OwnStep::run(const at::Tensor& x_in, const st
       products(layer.o, A, Dl);
       residual_norm(true, layer.mlp_norm, layer.gate_up.quantized);
       products(layer.gate_up, Hn, GU);
-      {  // silu(gate) * up, a block of 32 (or a row) at a time, and its 8-bit block
+      {  // silu(gate) * up, a block of 32 (or a row) at a time, and its 8-bit blocks, kQuantizeRun items' at a time
+         // (not one block a call)
         const int64_t width = silu_blocks ? raw::kBlockInputs : I, per_row = I / width;
         auto [a, b] = share(T * per_row, tid, n);
-        for (int64_t item = a; item < b; ++item) {
-          const int64_t t = item / per_row, j = item % per_row * width;
-          raw::silu_mul_row(GU + t * 2 * I + j, GU + t * 2 * I + I + j, Act + t * I + j, width, bf16);
-          if (layer.down.quantized) {
-            raw::quantize_blocks(Act, acts, (t * I + j) / raw::kBlockInputs, (t * I + j + width) / raw::kBlockInputs);
+        for (int64_t run = a; run < b; run += kQuantizeRun) {
+          const int64_t stop = std::min(b, run + kQuantizeRun);
+          for (int64_t item = run; item < stop; ++item) {
+            const int64_t t = item / per_row, j = item % per_row * width;
+            raw::silu_mul_row(GU + t * 2 * I + j, GU + t * 2 * I + I + j, Act + t * I + j, width, bf16);
+          }
+          if (layer.down.quantized) {  // (items [run, stop) are Act's consecutive widths from run * width)
+            raw::quantize_blocks(Act, acts, run * width / raw::kBlockInputs, stop * width / raw::kBlockInputs);
           }
         }
       }

@@ -109,3 +109,25 @@ def test_dytc_verifies_the_root_alone_when_the_switch_says_so(engine):
     off = Load(rows=7, tokens=7.0, draft_ms=0.0, generations=7, cost=cost, drafts=False)
     assert _router_step(engine, on)[0] > 1
     assert _router_step(engine, off)[0] == 1
+
+
+def test_a_batch_measures_both_modes_at_its_width_and_keeps_each_requests_tokens(engine):
+    """Three generations of a real batch: its first step at width 3 drafts, its second verifies the roots alone
+    (both modes then measured at that width, and the steps' cost observed); every request's tokens are still the
+    ones it gets alone."""
+    from casspec.runtime.batch import Batch
+    from casspec.runtime.request import Request
+
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11, 9, 10, 11], [12, 13, 14, 15, 12, 13]]
+    alone = [engine.generate_ids(p, Request(max_new_tokens=20, method="dytc")).token_ids for p in prompts]
+    batch = Batch(engine, 3)
+    for p in prompts:
+        batch.join(p, Request(max_new_tokens=20, method="dytc"))
+    got = []
+    while batch.running:
+        batch.step()
+        for run in [r for r in batch.running if r.done]:
+            got.append(batch.leave(run)[0].token_ids)
+    assert {(3, True), (3, False)} <= set(batch.switch.goodput) and batch.stats.undrafted >= 1
+    assert len(batch.cost.points) >= 2
+    assert sorted(got) == sorted(alone)

@@ -157,6 +157,7 @@ def test_serve_answers_concurrent_clients_from_one_batch():
     assert got == alone
     counts = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("casspec:batch")}
     assert counts["casspec:batch_sequences_total"] > counts["casspec:batch_steps_total"] > 0
+    assert 0 <= counts["casspec:batch_undrafted_total"] <= counts["casspec:batch_steps_total"]  # (the switch's)
 
 
 def test_a_generation_through_the_engines_api_between_steps_leaves_the_batch_alone(engine):

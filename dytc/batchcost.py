@@ -85,8 +85,7 @@ class BatchCost:
     def table(self, generations: int, others_extra: int, n_max: int) -> list[float]:
         """[n_max + 1] (index 0 unused): the step's predicted ms where one generation's tree has N nodes beside the
         others' trees (`others_extra` drafted nodes among them), N = 1 .. n_max."""
-        a, b, c = self.coefficients()
-        first = a + b * generations + c * others_extra
+        first, c = self.step_ms(generations, others_extra), self.coefficients()[2]
         return [0.0] + [max(first + c * (n - 1), 1e-3) for n in range(1, n_max + 1)]
 
 

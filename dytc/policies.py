@@ -56,7 +56,7 @@ class Load:
     cost: BatchCost | None = None  # the batch's steps' measured cost (batchcost.py), where it keeps one
     drafts: bool = True  # False: the batch's measured goodput says verify the root alone (SpeculationSwitch)
 
-    def step_ms(self, n_max: int) -> list[float] | None:
+    def step_table(self, n_max: int) -> list[float] | None:
         """[n_max + 1]: the step's measured cost where this generation's tree has N = 1 .. n_max nodes beside the
         others' (index 0 unused); None until the batch has measured enough steps."""
         if self.cost is None or not self.cost.ready:

@@ -140,7 +140,7 @@ class DyTC(Policy):
     def new_step(self, ctx: DraftContext, n_max: int) -> Step:
         """A step holding the root alone, with the cost tables (predicted again where COST_REFRESH_STEPS have passed
         or they are too short for n_max nodes); its time spent starts at O. Batched (ctx.load): the whole step's
-        throughput, its time the batch's measured steps' (Load.step_ms) or the others' rows and drafting added."""
+        throughput, its time the batch's measured steps' (Load.step_table) or the others' rows and drafting added."""
         load = ctx.load if self.cfg.constant_cost is None else None
         batched = (others := load.rows if load is not None else 0) > 0
         t = self.tables.get(batched)
@@ -153,7 +153,7 @@ class DyTC(Policy):
                                         verify_ms.tolist(), {name: ms.tolist() for name, ms in level_ms.items()})
         verify = [0.0, *t[1][others + 1:others + n_max + 1]] if batched else t[1]  # (by node count)
         overhead = self.overhead_ms if self.cfg.step_overhead and self.cfg.constant_cost is None else 0.0
-        measured = load.step_ms(n_max) if batched else None  # (the batch's steps: everyone's drafting in them)
+        measured = load.step_table(n_max) if batched else None  # (the batch's steps: everyone's drafting in them)
         return Step(DraftTree.root(ctx.history[-1]), [Node("root", 1.0, 1.0, 0)], measured or verify, t[2],
                     spent=0.0 if measured else overhead + (load.draft_ms if load else 0.0),
                     base=load.tokens if load else 0.0)

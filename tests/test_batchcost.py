@@ -131,3 +131,26 @@ def test_a_batch_measures_both_modes_at_its_width_and_keeps_each_requests_tokens
     assert {(3, True), (3, False)} <= set(batch.switch.goodput) and batch.stats.undrafted >= 1
     assert len(batch.cost.points) >= 2
     assert sorted(got) == sorted(alone)
+
+
+@pytest.mark.parametrize("method", ["dytc", "pld"])
+def test_undrafted_counts_the_steps_that_drafted_nothing(engine, monkeypatch, method):
+    """With the switch always off, dytc verifies every root alone (each step of several counted undrafted); prompt
+    lookup does not read the switch and still drafts its copies (those steps not counted)."""
+    from casspec.runtime.batch import Batch
+    from casspec.runtime.request import Request
+
+    monkeypatch.setattr(SpeculationSwitch, "drafts", lambda self, width: False)
+    batch = Batch(engine, 3)
+    for p in ([5, 6, 7, 8] * 4, [9, 10, 11] * 4, [12, 13, 14, 15] * 3):
+        batch.join(p, Request(max_new_tokens=16, method=method))
+    wide = 0
+    while batch.running:
+        wide += len([r for r in batch.running if not r.done]) > 1
+        batch.step()
+        for run in [r for r in batch.running if r.done]:
+            batch.leave(run)
+    if method == "dytc":
+        assert batch.stats.drafted == 0 and batch.stats.undrafted == wide > 0
+    else:
+        assert batch.stats.drafted > 0 and batch.stats.undrafted < wide

@@ -185,7 +185,6 @@ class Batch:
             started, levels_s = time.perf_counter(), sum(r.dec.stats.draft_forward_seconds for r in runs)
             total = LastStep(*(sum(column) for column in zip(*(r.last for r in runs))))
             drafts = self.switch.drafts(len(runs)) if len(runs) > 1 else True
-            self.stats.undrafted += not drafts
             trees = []
             for r in runs:  # draft
                 r.dec.ctx.load = Load(total.rows - r.last.rows, total.tokens - r.last.tokens,
@@ -203,6 +202,8 @@ class Batch:
                 emitted = dec.accept(tree, lg)  # accept, update
                 r.last = r.last._replace(rows=len(tree), tokens=float(len(emitted)))
                 out.append((r, r.live.feed(emitted)))
+            # (a policy that does not read Load.drafts drafts whatever the switch says: counted where none did)
+            self.stats.undrafted += not drafts and all(len(t) == 1 for _, t in trees)
             if len(runs) > 1 and not chunks:  # (a prompt's chunk riding in it: not a step of these alone)
                 ms = (time.perf_counter() - started) * 1e3
                 self.switch.observe(len(runs), drafts, sum(int(r.last.tokens) for r in runs), ms)

@@ -1,6 +1,6 @@
 """MACs a run of the load test needs at least: every prompt row and every output row through the layers, a head row per
-output token, each row's attention at its position (SmolLM2-135M: 30 layers, d 576, 9 heads, 3 kv heads, hd 64, I 1536,
-vocab 49152). The shared leading prefix of all prompts counted once."""
+output token, each row's attention at its position (the sizes from the model's spec: SmolLM2-135M, 30 layers, d 576,
+9 heads, 3 kv heads, hd 64, I 1536, vocab 49152). The shared leading prefix of all prompts counted once."""
 import json, sys, collections
 from casspec.runtime.engine import Engine
 d = json.load(open(sys.argv[1])); lvl = [l for l in d["levels"] if l["clients"] == 8][0]
@@ -13,7 +13,10 @@ prompts = [eng.prompt_ids([{"role": "user", "content": q["turns"][0]}]) for q in
 shared = 0
 while all(len(p) > shared and p[shared] == prompts[0][shared] for p in prompts): shared += 1
 out = {o["question"]: o["tokens"] for o in lvl["outcomes"]}
-layer = 30 * (576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536); head = 49152 * 576; att = 30 * 9 * 64 * 2
+sp = eng.model.spec
+q, kv = sp.n_heads * sp.head_dim, sp.n_kv_heads * sp.head_dim  # (q and o: dim x q; k and v: dim x kv)
+layer = sp.n_layers * (2 * sp.dim * q + 2 * sp.dim * kv + 3 * sp.dim * sp.intermediate)
+head, att = sp.vocab_size * sp.dim, sp.n_layers * sp.n_heads * sp.head_dim * 2  # (att: per key seen, q.k and p.v)
 total = 0; rows = 0
 for i, p in enumerate(prompts):
     n, first = len(p), (0 if i == 0 else shared)
